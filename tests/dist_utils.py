@@ -1,0 +1,47 @@
+"""Run a function in N real gloo processes on CPU and collect what each rank returns."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, args: tuple) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+        WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # FSDP2 on gloo may abort at exit without this barrier
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` in ``world_size`` spawned gloo processes.
+
+    ``fn`` must be a module-level function. Returns the per-rank return values, rank order.
+    """
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(
+            _worker, args=(fn, world_size, free_port(), out_dir, args), nprocs=world_size,
+            join=True, start_method="spawn",
+        )
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]

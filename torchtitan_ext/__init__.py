@@ -1,0 +1,1 @@
+"""torchtitan_ext: PyTorch-native LLM pretraining."""
