@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Finds or builds a Python environment for the project; sourced by train.sh and test.sh, it leaves PY
+# pointing at the interpreter to use. If `python3` already has torch and the project's dependencies
+# (a GPU image, the Docker image), it is used as it is, with the repository on PYTHONPATH. Otherwise the
+# virtual environment .venv is created or reused, TORCH_SPEC (default torch==2.13.0) and the package
+# (editable, with the dev extra) are installed into it.
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${VENV:-$REPO/.venv}"
+PYTHON="${PYTHON:-python3}"
+NEEDS="${NEEDS:-torch, numpy, sentencepiece, tensorboard}"
+if [ ! -x "$VENV/bin/python" ] && "$PYTHON" -c "import $NEEDS" >/dev/null 2>&1; then
+    PY="$(command -v "$PYTHON")"
+    export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+else
+    [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+    PY="$VENV/bin/python"
+    if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+        "$PY" -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
+    fi
+    stamp="$VENV/.installed-$(cksum < "$REPO/pyproject.toml" | cut -d' ' -f1)"
+    if [ ! -f "$stamp" ]; then
+        "$PY" -m pip install -q -e "$REPO[dev]"
+        touch "$stamp"
+    fi
+fi
+export PY REPO

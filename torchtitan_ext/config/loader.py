@@ -1,0 +1,175 @@
+"""TOML file + ``--section.key value`` overrides -> a validated JobConfig.
+
+Every mistake is reported as one ``ConfigError`` line naming the file or flag, the key, the value and
+what was expected; ``train.py`` prints it and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from torchtitan_ext.config.job_config import JobConfig
+
+
+class ConfigError(ValueError):
+    """A bad config file, key or value; the message is one line meant for the user."""
+
+
+def _suggest(name: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(name, valid, n=1)
+    return f"; did you mean '{close[0]}'?" if close else f"; valid: {', '.join(valid)}"
+
+
+def _fields(obj: Any) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(obj)}
+
+
+def _coerce(value: Any, f: dataclasses.Field, where: str, from_cli: bool) -> Any:
+    """Convert ``value`` to the field's type (strings come from the command line) and check its rules."""
+    kind = f.type if isinstance(f.type, str) else f.type.__name__
+    try:
+        if kind == "bool":
+            if from_cli and isinstance(value, str):
+                if value.lower() not in ("true", "false", "1", "0"):
+                    raise TypeError
+                value = value.lower() in ("true", "1")
+            elif not isinstance(value, bool):
+                raise TypeError
+        elif kind == "int":
+            if from_cli and isinstance(value, str):
+                value = int(value)
+            elif isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError
+        elif kind == "float":
+            if from_cli and isinstance(value, str):
+                value = float(value)
+            elif isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError
+            value = float(value)
+        elif kind == "str":
+            if not isinstance(value, str):
+                raise TypeError
+        elif kind == "list":
+            if from_cli and isinstance(value, str):
+                value = json.loads(value) if value.strip().startswith("[") else [
+                    v for v in value.split(",") if v]
+            if not isinstance(value, list):
+                raise TypeError
+    except (TypeError, ValueError, json.JSONDecodeError):
+        raise ConfigError(f"{where}: expected {kind}, got {value!r}") from None
+    meta = f.metadata
+    if meta.get("choices") and value not in meta["choices"]:
+        raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(repr, meta['choices']))}")
+    if meta.get("min") is not None and value < meta["min"]:
+        raise ConfigError(f"{where}: {value!r} is below the minimum {meta['min']}")
+    if meta.get("max") is not None and value > meta["max"]:
+        raise ConfigError(f"{where}: {value!r} is above the maximum {meta['max']}")
+    return value
+
+
+def _set(cfg: JobConfig, section: str, key: str, value: Any, where: str, from_cli: bool) -> None:
+    sections = _fields(cfg)
+    if section not in sections:
+        raise ConfigError(f"{where}: unknown section [{section}]{_suggest(section, list(sections))}")
+    sec = getattr(cfg, section)
+    keys = _fields(sec)
+    if key not in keys:
+        raise ConfigError(f"{where}: unknown key '{section}.{key}'{_suggest(key, list(keys))}")
+    setattr(sec, key, _coerce(value, keys[key], f"{where}: {section}.{key}", from_cli))
+
+
+def load_toml(cfg: JobConfig, path: str) -> None:
+    """Apply the TOML file at ``path`` onto ``cfg``."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {path}: not found (expected a TOML file, e.g. train_configs/debug.toml)")
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path}: TOML syntax error: {e}") from None
+    for section, table in data.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: top-level key '{section}' must be a [section] table")
+        for key, value in table.items():
+            _set(cfg, section, key, value, f"{path}", from_cli=False)
+
+
+def parse_args(argv: list[str]) -> JobConfig:
+    """``--config FILE`` first, then ``--section.key value`` (or ``--section.key=value``) overrides."""
+    cfg = JobConfig()
+    overrides: list[tuple[str, str]] = []
+    config_file = None
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"argument {arg!r}: expected --config FILE or --section.key value")
+        name, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"argument --{name}: missing value")
+            value = argv[i + 1]
+            i += 1
+        i += 1
+        if name == "config":
+            config_file = value
+        elif "." not in name:
+            raise ConfigError(f"argument --{name}: expected --section.key (e.g. --training.steps 100)")
+        else:
+            overrides.append((name, value))
+    if config_file is not None:
+        load_toml(cfg, config_file)
+    for name, value in overrides:
+        section, key = name.split(".", 1)
+        _set(cfg, section, key, value, f"argument --{name}", from_cli=True)
+    return cfg
+
+
+def help_text() -> str:
+    """Every key with its default and meaning, grouped by section."""
+    lines = ["usage: python -m torchtitan_ext.train --config FILE [--section.key value ...]", ""]
+    for sec_field in dataclasses.fields(JobConfig):
+        lines.append(f"[{sec_field.name}]")
+        for f in dataclasses.fields(sec_field.default_factory()):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            rules = []
+            if f.metadata.get("choices"):
+                rules.append("one of " + "|".join(map(str, f.metadata["choices"])))
+            if f.metadata.get("min") is not None:
+                rules.append(f">= {f.metadata['min']}")
+            if f.metadata.get("max") is not None:
+                rules.append(f"<= {f.metadata['max']}")
+            rule = f" ({', '.join(rules)})" if rules else ""
+            lines.append(f"  --{sec_field.name}.{f.name} = {_toml_value(default)}  {f.metadata['help']}{rule}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str | list):
+        return json.dumps(v)
+    return repr(v)
+
+
+def to_toml(cfg: JobConfig) -> str:
+    """The resolved config as TOML (every key, overrides applied), loadable by ``load_toml``."""
+    out = []
+    for sec_field in dataclasses.fields(cfg):
+        out.append(f"[{sec_field.name}]")
+        sec = getattr(cfg, sec_field.name)
+        for f in dataclasses.fields(sec):
+            out.append(f"{f.name} = {_toml_value(getattr(sec, f.name))}")
+        out.append("")
+    return "\n".join(out)

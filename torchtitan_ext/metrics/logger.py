@@ -1,0 +1,64 @@
+"""Console (rank 0), TensorBoard scalars and metrics.jsonl for each logged step; MFU and GPU memory."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+# Dense bf16 tensor-core peaks (FLOP/s) used for MFU; GPUs not listed report no MFU.
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12}
+
+
+def peak_flops() -> float | None:
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+def flops_per_token(active_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x (active non-embedding parameters + output head) for the matmuls of
+    forward and backward, plus 12 x layers x heads x head_dim x seq_len for attention scores and values
+    (counted without the causal half, as in PaLM and torchtitan)."""
+    return 6 * active_params + 12 * n_layers * n_heads * head_dim * seq_len
+
+
+class MetricsLogger:
+    def __init__(self, dump_folder: str, rank: int, tensorboard: bool, jsonl: bool):
+        self.rank = rank
+        self.tb = None
+        self.jsonl = None
+        if rank != 0:
+            return
+        folder = Path(dump_folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=str(folder / "tb"))
+        if jsonl:
+            self.jsonl = open(folder / "metrics.jsonl", "a", buffering=1)
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        if self.rank != 0:
+            return
+        if self.tb is not None:
+            for k, v in values.items():
+                self.tb.add_scalar(k, v, step)
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps({"step": step, "time": time.time(), **values}) + "\n")
+        parts = [f"step {step:>6}"]
+        for key, fmt in (("loss", "loss {:.4f}"), ("val_loss", "val {:.4f}"), ("grad_norm", "gnorm {:.3f}"), ("lr", "lr {:.2e}"), ("tokens_per_sec", "tok/s {:,.0f}"),
+                         ("mfu", "mfu {:.1%}"), ("memory_gib", "mem {:.1f}GiB")):
+            if key in values:
+                parts.append(fmt.format(values[key]))
+        print("  ".join(parts), flush=True)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.jsonl is not None:
+            self.jsonl.close()

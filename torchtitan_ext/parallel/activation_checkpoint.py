@@ -1,0 +1,44 @@
+"""Activation checkpointing per transformer block: full recompute, or selective (keep matmul and
+attention outputs, recompute the cheap pointwise ops around them)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+_SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_mm.default,
+}
+
+
+def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str, every: int) -> None:
+    """``mode`` "full": recompute each block; "selective" with ``every`` = 0: op-level policy above in
+    each block; "selective" with ``every`` = N: full recompute of every Nth block only."""
+    if mode == "none":
+        return
+    for i, (name, block) in enumerate(list(model.layers.items())):
+        if mode == "selective" and every > 0:
+            if i % every:
+                continue
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+        elif mode == "selective":
+            wrapped = checkpoint_wrapper(
+                block, preserve_rng_state=False,
+                context_fn=partial(create_selective_checkpoint_contexts, _policy))
+        else:
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+        model.layers[name] = wrapped

@@ -1,0 +1,96 @@
+"""Parallel degrees -> one DeviceMesh.
+
+World layout, outermost first: ``pp x dp_replicate x dp_shard x tp``. Expert parallelism is carved out of
+``dp_shard``: ``dp_shard = dp_shard_mod_ep x ep``, so experts are sharded over ``ep`` and FSDP-sharded over
+``dp_shard_mod_ep`` while every other parameter is FSDP-sharded over all of ``dp_shard``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from torchtitan_ext.config.job_config import ParallelismSection
+
+
+class ParallelDimsError(ValueError):
+    """Degrees that do not fit the world size; one line naming the keys and values."""
+
+
+@dataclass
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+    ep: int
+    world_size: int
+    dp_mode: str = "fsdp"
+
+    @classmethod
+    def from_config(cls, p: ParallelismSection, world_size: int) -> ParallelDims:
+        dp_shard = p.dp_shard
+        others = p.dp_replicate * p.tp * p.pp
+        if dp_shard == -1:
+            if world_size % others:
+                raise ParallelDimsError(
+                    f"parallelism: dp_replicate({p.dp_replicate}) x tp({p.tp}) x pp({p.pp}) = {others} "
+                    f"does not divide the world size {world_size}")
+            dp_shard = world_size // others
+        dims = cls(p.dp_replicate, dp_shard, p.tp, p.pp, p.ep, world_size, p.dp_mode)
+        dims.validate()
+        return dims
+
+    def validate(self) -> None:
+        product = self.dp_replicate * self.dp_shard * self.tp * self.pp
+        if product != self.world_size:
+            raise ParallelDimsError(
+                f"parallelism: dp_replicate({self.dp_replicate}) x dp_shard({self.dp_shard}) x tp({self.tp}) "
+                f"x pp({self.pp}) = {product}, but the world size is {self.world_size}; "
+                "set dp_shard = -1 to use the rest")
+        if self.dp_shard % self.ep:
+            raise ParallelDimsError(
+                f"parallelism.ep = {self.ep} must divide dp_shard = {self.dp_shard} "
+                "(expert parallelism is carved out of the FSDP ranks)")
+        if self.dp_mode == "ddp" and (self.tp > 1 or self.pp > 1 or self.ep > 1):
+            raise ParallelDimsError("parallelism.dp_mode = 'ddp' supports data parallelism only; "
+                                    "use dp_mode = 'fsdp' with tp, pp or ep")
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: ranks that read different data."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp_mode == "fsdp" and (self.dp_shard > 1 or self.dp_replicate > 1)
+
+    @property
+    def ddp_enabled(self) -> bool:
+        return self.dp_mode == "ddp" and self.dp > 1
+
+    @cached_property
+    def mesh(self) -> DeviceMesh:
+        """The world mesh with every dimension, plus flattened views ``dp``, ``dp_shard`` and, with EP,
+        ``dp_shard_mod_ep`` / ``ep``."""
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        names = ["pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp"]
+        sizes = [self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp]
+        mesh = init_device_mesh(device_type, tuple(sizes), mesh_dim_names=tuple(names))
+        mesh[("dp_shard_mod_ep", "ep")]._flatten("dp_shard")
+        mesh[("dp_replicate", "dp_shard_mod_ep", "ep")]._flatten("dp")
+        return mesh
+
+    def submesh(self, *names: str) -> DeviceMesh:
+        return self.mesh[names[0]] if len(names) == 1 else self.mesh[names]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh["dp"].get_local_rank()
+
+    def describe(self) -> str:
+        return (f"world {self.world_size} = pp {self.pp} x dp_replicate {self.dp_replicate} x dp_shard "
+                f"{self.dp_shard} (ep {self.ep}) x tp {self.tp}; data parallel {self.dp} ({self.dp_mode})")

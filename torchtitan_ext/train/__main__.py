@@ -1,0 +1,47 @@
+"""Entry point: ``python -m torchtitan_ext.train --config FILE [--section.key value ...]``.
+
+User mistakes (config, layout, data files) end with one ``error:`` line and exit code 2; a diverged
+run ends with exit code 3; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch.distributed as dist
+
+from torchtitan_ext.config.loader import ConfigError, help_text, parse_args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:
+        print(help_text())
+        return 0
+    try:
+        cfg = parse_args(argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    from torchtitan_ext.data.shards import ShardError
+    from torchtitan_ext.parallel.dims import ParallelDimsError
+    from torchtitan_ext.train.trainer import Trainer, TrainingDiverged
+
+    try:
+        Trainer(cfg).train()
+        if dist.is_initialized():
+            dist.barrier()  # gloo may abort at exit after FSDP2 work without it
+    except (ConfigError, ParallelDimsError, ShardError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except TrainingDiverged as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 3
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,255 @@
+"""The training job: config -> mesh -> model on meta -> parallelize -> materialise -> data, optimizer,
+checkpoint -> loop. Each stage is one call; the loop reads like the list in the README."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from torchtitan_ext.checkpoint.manager import CheckpointManager, ModelParts
+from torchtitan_ext.config.job_config import JobConfig
+from torchtitan_ext.config.loader import ConfigError, to_toml
+from torchtitan_ext.data.loader import build_data
+from torchtitan_ext.metrics.logger import MetricsLogger, flops_per_token, peak_flops
+from torchtitan_ext.models.args import ModelArgs
+from torchtitan_ext.models.decoder import Decoder
+from torchtitan_ext.models.flavors import get_flavor
+from torchtitan_ext.models.param_count import count_params
+from torchtitan_ext.parallel.dims import ParallelDims
+from torchtitan_ext.parallel.fsdp import apply_ddp
+from torchtitan_ext.parallel.grad_norm import clip_grad_norm_
+from torchtitan_ext.parallel.init import materialize_and_init
+from torchtitan_ext.parallel.parallelize import parallelize_decoder
+from torchtitan_ext.train.losses import cross_entropy_loss
+from torchtitan_ext.train.lr_schedule import lr_multiplier
+from torchtitan_ext.train.optim import Optimizers
+from torchtitan_ext.train.spike_guard import SpikeGuard
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or Inf; the run stops without saving."""
+
+
+def init_distributed(device_type: str) -> None:
+    """torchrun sets RANK/WORLD_SIZE; a plain ``python -m`` run becomes a world of one."""
+    if dist.is_initialized():
+        return
+    backend = "cuda:nccl,cpu:gloo" if device_type == "cuda" else "gloo"
+    if "RANK" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def resolve_model_args(cfg: JobConfig, tokenizer_vocab: int) -> ModelArgs:
+    """The flavor with the config's non-zero overrides applied."""
+    args = get_flavor(cfg.model.flavor)
+    overrides = {k: getattr(cfg.model, k) for k in
+                 ("vocab_size", "n_layers", "dim", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len",
+                  "top_k", "moe_hidden") if getattr(cfg.model, k) > 0}
+    if cfg.model.n_experts >= 0:
+        overrides["n_experts"] = cfg.model.n_experts
+    if not overrides.get("vocab_size") and not args.vocab_size:
+        overrides["vocab_size"] = tokenizer_vocab
+    overrides.setdefault("max_seq_len", cfg.training.seq_len)
+    args = dataclasses.replace(args, **overrides)
+    if args.vocab_size < tokenizer_vocab:
+        raise ConfigError(f"model.vocab_size = {args.vocab_size} is smaller than the tokenizer's vocabulary "
+                          f"({tokenizer_vocab}); set model.vocab_size >= {tokenizer_vocab} or 0")
+    if args.max_seq_len < cfg.training.seq_len:
+        raise ConfigError(f"training.seq_len = {cfg.training.seq_len} exceeds model.max_seq_len = "
+                          f"{args.max_seq_len}")
+    try:
+        args.validate()
+    except ValueError as e:
+        raise ConfigError(f"model (flavor {cfg.model.flavor!r}): {e}") from None
+    return args
+
+
+class Trainer:
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        want_cuda = cfg.job.device == "cuda" or (cfg.job.device == "auto" and torch.cuda.is_available())
+        if want_cuda and not torch.cuda.is_available():
+            raise ConfigError("job.device = 'cuda' but no CUDA device is visible")
+        self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if want_cuda \
+            else torch.device("cpu")
+        if want_cuda:
+            torch.cuda.set_device(self.device)
+        init_distributed(self.device.type)
+        self.rank, world = dist.get_rank(), dist.get_world_size()
+        self.dims = dims = ParallelDims.from_config(cfg.parallelism, world)
+        t = cfg.training
+        per_step = t.local_batch_size * dims.dp
+        gbs = per_step if t.global_batch_size == -1 else t.global_batch_size
+        if gbs % per_step:
+            raise ConfigError(f"training.global_batch_size = {gbs} must be a multiple of local_batch_size x "
+                              f"data-parallel degree = {t.local_batch_size} x {dims.dp}")
+        self.accum_steps = gbs // per_step
+        self.global_batch_size = gbs
+
+        if self.rank == 0:
+            Path(cfg.job.dump_folder).mkdir(parents=True, exist_ok=True)
+            (Path(cfg.job.dump_folder) / "config.toml").write_text(to_toml(cfg))
+        self.log(f"parallelism: {dims.describe()}; device {self.device.type}")
+
+        d = cfg.data
+        self.tokenizer, self.loader, self.val_loader = build_data(
+            dataset=d.dataset, train_path=d.train_path, val_path=d.val_path, tokenizer=d.tokenizer,
+            tokenizer_vocab_size=d.tokenizer_vocab_size, cache_dir=os.path.expanduser(d.cache_dir),
+            seq_len=t.seq_len, local_batch_size=t.local_batch_size, dp_rank=dims.dp_rank,
+            dp_world_size=dims.dp, seed=cfg.job.seed, shuffle=d.shuffle)
+
+        self.model_args = margs = resolve_model_args(cfg, self.tokenizer.vocab_size)
+        with torch.device("meta"):
+            model = Decoder(margs)
+        counts = count_params(margs)
+        self.log(f"model {cfg.model.flavor}: {counts['total']:,} parameters "
+                 f"({counts['active']:,} active per token, {counts['embedding']:,} embedding)")
+        plan = model.init_plan()
+        self.model_parts = [model]
+        parallelize_decoder(model, dims, cfg, on_gpu=self.device.type == "cuda")
+        for part in self.model_parts:
+            materialize_and_init(part, self.device, cfg.job.seed, plan)
+            part.init_buffers(self.device)
+            part.train()
+        if dims.ddp_enabled:
+            self.model_parts = [apply_ddp(m, dims.submesh("dp")) for m in self.model_parts]
+        self.use_autocast = self.device.type == "cuda" and not dims.fsdp_enabled and \
+            cfg.training.mixed_precision_param == "bfloat16"
+
+        self.optimizers = Optimizers(self.model_parts, cfg.optimizer)
+        self.spike_guard = SpikeGuard(t.spike_factor, t.spike_window, t.spike_lr_scale, t.spike_guard)
+        self.step = 0
+        self.checkpointer = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, {
+            "model": ModelParts(self.model_parts), "optimizer": self.optimizers,
+            "dataloader": self.loader, "train_state": self})
+        self.step = self.checkpointer.load()
+        if self.step:
+            self.log(f"resumed from {self.checkpointer.folder}/step-{self.step}")
+        self.metrics = MetricsLogger(cfg.job.dump_folder, self.rank, cfg.metrics.tensorboard, cfg.metrics.jsonl)
+        self.flops_per_token = flops_per_token(
+            counts["active"] - counts["embedding"] + (counts["embedding"] if margs.tie_embeddings else 0),
+            margs.n_layers, margs.n_heads, margs.head_dim or margs.dim // margs.n_heads, t.seq_len)
+        self.peak_flops = peak_flops()
+
+    # Stateful: the trainer's own progress, saved beside the model.
+    def state_dict(self) -> dict:
+        return {"step": self.step, "spike_guard": self.spike_guard.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state["step"]
+        self.spike_guard.load_state_dict(state["spike_guard"])
+
+    def log(self, msg: str) -> None:
+        if self.rank == 0:
+            print(msg, flush=True)
+
+    def _autocast(self):
+        if self.use_autocast:
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, last_micro: bool) -> torch.Tensor:
+        """One micro-batch; returns the detached loss. Gradient sync happens on the last micro-batch only."""
+        model = self.model_parts[0]
+        sync = contextlib.nullcontext()
+        if self.dims.ddp_enabled and not last_micro:
+            sync = model.no_sync()
+        elif hasattr(model, "set_requires_gradient_sync"):
+            model.set_requires_gradient_sync(last_micro)
+        with sync, self._autocast():
+            logits = model(inputs)
+            loss = cross_entropy_loss(logits, labels, self.cfg.training.z_loss)
+        (loss / self.accum_steps).backward()
+        return loss.detach()
+
+    def train_step(self) -> tuple[float, float]:
+        lr = self.cfg.optimizer.lr * lr_multiplier(self.step, self.cfg.training.steps, self.cfg.lr_scheduler)
+        lr *= self.spike_guard.lr_factor
+        self.optimizers.set_lr(lr)
+        self.optimizers.zero_grad()
+        loss_sum = torch.zeros((), device=self.device)
+        for micro in range(self.accum_steps):
+            batch = self.loader.next_batch()
+            inputs, labels = batch.inputs.to(self.device), batch.labels.to(self.device)
+            loss_sum += self.forward_backward(inputs, labels, micro == self.accum_steps - 1)
+        params = [p for m in self.model_parts for p in m.parameters()]
+        grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm)
+        self.optimizers.step()
+        loss = loss_sum / self.accum_steps
+        if self.dims.dp > 1:
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dims.submesh("dp").get_group())
+        return loss.item(), grad_norm.item(), lr
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        if self.val_loader is None or self.cfg.eval.steps == 0:
+            return None
+        for m in self.model_parts:
+            m.eval()
+        total = torch.zeros((), device=self.device)
+        for _ in range(self.cfg.eval.steps):
+            batch = self.val_loader.next_batch()
+            with self._autocast():
+                logits = self.model_parts[0](batch.inputs.to(self.device))
+            total += cross_entropy_loss(logits, batch.labels.to(self.device))
+        for m in self.model_parts:
+            m.train()
+        val = total / self.cfg.eval.steps
+        if self.dims.dp > 1:
+            dist.all_reduce(val, op=dist.ReduceOp.AVG, group=self.dims.submesh("dp").get_group())
+        return val.item()
+
+    def train(self) -> None:
+        cfg, t = self.cfg, self.cfg.training
+        tokens_per_step = self.global_batch_size * t.seq_len
+        self.log(f"training {t.steps} steps from step {self.step}: global batch {self.global_batch_size} x "
+                 f"{t.seq_len} tokens, {self.accum_steps} micro-batches")
+        window_start, window_steps = time.perf_counter(), 0
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        while self.step < t.steps:
+            self.step += 1
+            loss, grad_norm, lr = self.train_step()
+            window_steps += 1
+            if not math.isfinite(loss):
+                raise TrainingDiverged(
+                    f"step {self.step}: loss is {loss}; stopping without saving (the latest checkpoint in "
+                    f"{self.checkpointer.folder} is intact). Lower optimizer.lr or check the data.")
+            if self.spike_guard.observe(loss):
+                self.log(f"step {self.step}: loss spike {loss:.4f}; LR x {t.spike_lr_scale} for "
+                         f"{t.spike_window} steps")
+            if self.step % cfg.metrics.log_freq == 0 or self.step == t.steps:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()
+                elapsed = time.perf_counter() - window_start
+                tps = tokens_per_step * window_steps / elapsed
+                values = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_sec": tps,
+                          "tokens_per_sec_per_device": tps / self.dims.world_size,
+                          "lr_spike_factor": self.spike_guard.lr_factor}
+                if self.peak_flops:
+                    values["mfu"] = self.flops_per_token * tps / self.dims.world_size / self.peak_flops
+                if self.device.type == "cuda":
+                    values["memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+                    values["memory_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+                if cfg.eval.interval and self.step % cfg.eval.interval == 0:
+                    values["val_loss"] = self.evaluate()
+                self.metrics.log(self.step, {k: v for k, v in values.items() if v is not None})
+                window_start, window_steps = time.perf_counter(), 0
+            if self.checkpointer.should_save(self.step, t.steps):
+                self.checkpointer.save(self.step, wait=self.step == t.steps)
+        self.checkpointer.finish_pending()
+        val = self.evaluate()
+        if val is not None:
+            self.log(f"validation loss {val:.4f}")
+            self.metrics.log(self.step, {"val_loss": val})
+        self.metrics.close()
