@@ -15,7 +15,8 @@ from torchtitan_ext.config.loader import ConfigError, help_text, load_toml, pars
 
 def test_toml_and_overrides(tmp_path):
     f = tmp_path / "job.toml"
-    f.write_text('[training]\nsteps = 7\nseq_len = 128\n[optimizer]\nlr = 1e-3\n[float8]\nfilter_fqns = ["output", "w2"]\n')
+    f.write_text('[training]\nsteps = 7\nseq_len = 128\n[optimizer]\nlr = 1e-3\n'
+                 '[float8]\nfilter_fqns = ["output", "w2"]\n')
     cfg = parse_args(["--config", str(f), "--training.steps", "9", "--optimizer.beta2=0.99",
                       "--training.compile", "true", "--float8.filter_fqns", "output,wo"])
     assert cfg.training.steps == 9 and cfg.training.seq_len == 128

@@ -51,8 +51,9 @@ class MetricsLogger:
         if self.jsonl is not None:
             self.jsonl.write(json.dumps({"step": step, "time": time.time(), **values}) + "\n")
         parts = [f"step {step:>6}"]
-        for key, fmt in (("loss", "loss {:.4f}"), ("val_loss", "val {:.4f}"), ("grad_norm", "gnorm {:.3f}"), ("lr", "lr {:.2e}"), ("tokens_per_sec", "tok/s {:,.0f}"),
-                         ("mfu", "mfu {:.1%}"), ("memory_gib", "mem {:.1f}GiB")):
+        for key, fmt in (("loss", "loss {:.4f}"), ("val_loss", "val {:.4f}"), ("grad_norm", "gnorm {:.3f}"),
+                         ("lr", "lr {:.2e}"), ("tokens_per_sec", "tok/s {:,.0f}"), ("mfu", "mfu {:.1%}"),
+                         ("memory_gib", "mem {:.1f}GiB")):
             if key in values:
                 parts.append(fmt.format(values[key]))
         print("  ".join(parts), flush=True)

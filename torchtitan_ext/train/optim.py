@@ -56,10 +56,10 @@ class Optimizers:
 
     def state_dict(self) -> dict:
         sd: dict = {}
-        for m, opt in zip(self.parts, self.optimizers):
+        for m, opt in zip(self.parts, self.optimizers, strict=True):
             sd.update(get_optimizer_state_dict(m, opt, options=StateDictOptions(flatten_optimizer_state_dict=True)))
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
-        for m, opt in zip(self.parts, self.optimizers):
+        for m, opt in zip(self.parts, self.optimizers, strict=True):
             set_optimizer_state_dict(m, opt, sd, options=StateDictOptions(flatten_optimizer_state_dict=True))

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from torchtitan_ext.checkpoint.manager import CheckpointManager, ModelParts
 from torchtitan_ext.config.job_config import JobConfig
