@@ -80,16 +80,24 @@ class ParallelDims:
         names = ["pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp"]
         sizes = [self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp]
         mesh = init_device_mesh(device_type, tuple(sizes), mesh_dim_names=tuple(names))
-        mesh[("dp_shard_mod_ep", "ep")]._flatten("dp_shard")
-        mesh[("dp_replicate", "dp_shard_mod_ep", "ep")]._flatten("dp")
+        self._flat = {
+            "dp_shard": mesh[("dp_shard_mod_ep", "ep")]._flatten("dp_shard"),
+            "dp": mesh[("dp_replicate", "dp_shard_mod_ep", "ep")]._flatten("dp"),
+        }
         return mesh
 
     def submesh(self, *names: str) -> DeviceMesh:
-        return self.mesh[names[0]] if len(names) == 1 else self.mesh[names]
+        """A 1-D or N-D view of the world mesh; flattened 1-D meshes are kept from their creation."""
+        mesh = self.mesh
+        if len(names) == 1:
+            return self._flat[names[0]] if names[0] in self._flat else mesh[names[0]]
+        if names == ("dp_replicate", "dp_shard") and self.ep == 1:
+            return mesh[("dp_replicate", "dp_shard_mod_ep")]  # the same ranks, no flattened dim needed
+        return mesh[names]
 
     @property
     def dp_rank(self) -> int:
-        return self.mesh["dp"].get_local_rank()
+        return self.submesh("dp").get_local_rank()
 
     def describe(self) -> str:
         return (f"world {self.world_size} = pp {self.pp} x dp_replicate {self.dp_replicate} x dp_shard "
