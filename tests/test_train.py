@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 from trainer_utils import REPO, TEST_CACHE, losses, read_metrics, run_trainer
@@ -56,7 +55,7 @@ def test_outputs_written(single):
 
 def _resume_from(reference, step: int, dest, nproc: int, *extra: str):
     """Copy ``reference``'s checkpoint at ``step`` into a fresh dump folder and continue to step 20."""
-    (dest / "checkpoint").mkdir(parents=True)
+    (dest / "checkpoint").mkdir(parents=True, exist_ok=True)
     shutil.copytree(reference / "checkpoint" / f"step-{step}", dest / "checkpoint" / f"step-{step}")
     run_trainer(dest, nproc, "--training.steps", "20", "--checkpoint.enabled", "true",
                 "--checkpoint.interval", "10", *extra)
@@ -104,13 +103,14 @@ def test_divergence_stops_without_saving(tmp_path):
 
 @pytest.mark.slow
 def test_default_debug_job_learns(tmp_path):
-    """The README's default job (debug model, built-in corpus, SentencePiece) halves its loss."""
+    """The README's training command (launch/train.sh: debug model, built-in corpus with its SentencePiece
+    BPE, 2 gloo processes on a CPU machine) halves its loss over its default steps."""
     proc = subprocess.run(
-        [sys.executable, "-m", "torchtitan_ext.train", "--config", "train_configs/debug.toml",
-         "--job.dump_folder", str(tmp_path), "--data.cache_dir", str(TEST_CACHE), "--checkpoint.enabled",
-         "false", "--metrics.log_freq", "1"],
-        cwd=REPO, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+        ["bash", "launch/train.sh", "--job.dump_folder", str(tmp_path), "--data.cache_dir", str(TEST_CACHE),
+         "--checkpoint.enabled", "false", "--metrics.log_freq", "1"],
+        cwd=REPO, capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = losses(tmp_path)
-    first, last = record[1], record[max(record)]
+    assert max(record) == 200
+    first, last = record[1], record[200]
     assert last <= 0.5 * first, (first, last)

@@ -57,6 +57,9 @@ def resolve_model_args(cfg: JobConfig, tokenizer_vocab: int) -> ModelArgs:
     if cfg.model.n_experts >= 0:
         overrides["n_experts"] = cfg.model.n_experts
     if not overrides.get("vocab_size") and not args.vocab_size:
+        if not tokenizer_vocab:
+            raise ConfigError("data.tokenizer = 'none' needs model.vocab_size (for example 50304 for "
+                              "GPT-2-tokenized FineWeb shards)")
         overrides["vocab_size"] = tokenizer_vocab
     overrides.setdefault("max_seq_len", cfg.training.seq_len)
     args = dataclasses.replace(args, **overrides)
@@ -108,6 +111,9 @@ class Trainer:
             dp_world_size=dims.dp, seed=cfg.job.seed, shuffle=d.shuffle)
 
         self.model_args = margs = resolve_model_args(cfg, self.tokenizer.vocab_size)
+        for loader in (self.loader, self.val_loader):
+            if loader is not None:
+                loader.vocab_limit = margs.vocab_size
         with torch.device("meta"):
             model = Decoder(margs)
         counts = count_params(margs)
@@ -195,6 +201,7 @@ class Trainer:
             return None
         for m in self.model_parts:
             m.eval()
+        self.val_loader.reset()  # every evaluation sees the same batches
         total = torch.zeros((), device=self.device)
         for _ in range(self.cfg.eval.steps):
             batch = self.val_loader.next_batch()

@@ -1,0 +1,78 @@
+"""The built-in corpus: the Python standard library's own source files, present on every machine.
+
+Tokenized once into shards under the cache folder (one process builds, the others wait on a file lock);
+about 2% of the files, chosen by a hash of their path, form the validation split.
+"""
+
+from __future__ import annotations
+
+import sys
+import sysconfig
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from torchtitan_ext.data.shards import write_shard
+from torchtitan_ext.data.tokenizer import ByteTokenizer, FileLock, SentencePieceTokenizer, train_bpe
+
+_SKIP_DIRS = {"site-packages", "test", "tests", "idlelib", "__pycache__", "lib2to3"}
+
+
+def stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [p for p in root.rglob("*.py") if not _SKIP_DIRS.intersection(p.relative_to(root).parts)]
+    return sorted(files, key=lambda p: str(p.relative_to(root)))
+
+
+def is_validation(path: Path) -> bool:
+    return zlib.crc32(path.name.encode()) % 50 == 0
+
+
+def read_texts(files: list[Path]) -> list[str]:
+    return [f.read_text(encoding="utf-8", errors="replace") for f in files]
+
+
+def _chunks(texts: list[str], lines: int = 24) -> list[str]:
+    """Multi-line pieces of source (keeping newlines) as SentencePiece's training 'sentences'."""
+    out = []
+    for text in texts:
+        rows = text.splitlines(keepends=True)
+        out.extend("".join(rows[i:i + lines]) for i in range(0, len(rows), lines))
+    return [c for c in out if c.strip()]
+
+
+def builtin_tokenizer(kind: str, vocab_size: int, cache_dir: Path):
+    """``byte``, ``builtin`` (BPE of ``vocab_size`` trained on the corpus's training files, cached) or a
+    path to a SentencePiece model."""
+    if kind == "byte":
+        return ByteTokenizer()
+    if kind != "builtin":
+        return SentencePieceTokenizer(Path(kind).expanduser())
+    model = cache_dir / f"stdlib_bpe{vocab_size}_py{sys.version_info[0]}{sys.version_info[1]}.model"
+    with FileLock(cache_dir / "tokenizer.lock"):
+        if not model.is_file():
+            print(f"training the built-in BPE tokenizer ({vocab_size} pieces) -> {model}", flush=True)
+            texts = read_texts([f for f in stdlib_files() if not is_validation(f)])
+            train_bpe(_chunks(texts), vocab_size, model)
+    return SentencePieceTokenizer(model)
+
+
+def _encode_all(tokenizer, texts: list[str]) -> np.ndarray:
+    docs = tokenizer.encode_many(texts) if hasattr(tokenizer, "encode_many") else map(tokenizer.encode, texts)
+    eot = np.array([tokenizer.eot_id], dtype=np.int32)
+    return np.concatenate([part for doc in docs for part in (doc, eot)])
+
+
+def builtin_shards(tokenizer, cache_dir: Path) -> tuple[Path, Path]:
+    """(train, validation) shard paths of the corpus under ``tokenizer``, built on first use."""
+    folder = cache_dir / f"stdlib_py{sys.version_info[0]}{sys.version_info[1]}_{tokenizer.name}"
+    train, val = folder / "train.bin", folder / "val.bin"
+    with FileLock(cache_dir / "corpus.lock"):
+        if not (train.is_file() and val.is_file()):
+            folder.mkdir(parents=True, exist_ok=True)
+            files = stdlib_files()
+            for path, part in ((val, [f for f in files if is_validation(f)]),
+                               (train, [f for f in files if not is_validation(f)])):
+                write_shard(path, _encode_all(tokenizer, read_texts(part)))
+    return train, val

@@ -1,0 +1,69 @@
+"""Token shards in the modded-nanogpt / parameter-golf format, read through memmap.
+
+A shard is a header of 256 little-endian int32 (``[0]`` magic 20240520, ``[1]`` version, ``[2]`` token
+count), then the tokens: uint16 for version 1 (the published format, so FineWeb shards train as they are)
+and uint32 for version 2 (our extension for vocabularies over 65,535).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from pathlib import Path
+
+import numpy as np
+
+MAGIC = 20240520
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+DTYPES = {1: np.uint16, 2: np.uint32}
+
+
+class ShardError(ValueError):
+    """A token shard that cannot be read as one (bad magic, unknown version, truncated body)."""
+
+
+def write_shard(path: str | os.PathLike, tokens: np.ndarray) -> None:
+    """Write ``tokens`` atomically (temporary file, then rename); uint16 when every id fits."""
+    tokens = np.asarray(tokens)
+    version = 1 if tokens.size == 0 or int(tokens.max()) < 2**16 else 2
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[:3] = (MAGIC, version, tokens.size)
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype(np.dtype(DTYPES[version]).newbyteorder("<"), copy=False).tobytes())
+    os.replace(tmp, path)
+
+
+def read_shard(path: str | os.PathLike) -> np.ndarray:
+    """The shard's tokens as a read-only memmap; ShardError naming the file when it is not valid."""
+    path = Path(path)
+    size = path.stat().st_size
+    if size < HEADER_BYTES:
+        raise ShardError(f"{path}: {size} bytes is shorter than the {HEADER_BYTES}-byte shard header")
+    header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
+    if header[0] != MAGIC:
+        raise ShardError(f"{path}: bad magic number {header[0]} (expected {MAGIC}); not a token shard")
+    version, count = int(header[1]), int(header[2])
+    if version not in DTYPES:
+        raise ShardError(f"{path}: unknown shard version {version} (expected 1 = uint16 or 2 = uint32)")
+    itemsize = np.dtype(DTYPES[version]).itemsize
+    expected = HEADER_BYTES + count * itemsize
+    if size < expected:
+        raise ShardError(f"{path}: truncated: the header announces {count} tokens ({expected} bytes) but "
+                         f"the file has {size} bytes")
+    if count == 0:
+        return np.zeros(0, dtype=DTYPES[version])
+    return np.memmap(path, dtype=np.dtype(DTYPES[version]).newbyteorder("<"), mode="r",
+                     offset=HEADER_BYTES, shape=(count,))
+
+
+def list_shards(pattern: str, key: str) -> list[Path]:
+    """Shards named by a folder (its ``*.bin``), a file or a glob, sorted; FileNotFoundError naming ``key``."""
+    p = Path(os.path.expanduser(pattern))
+    files = sorted(p.glob("*.bin")) if p.is_dir() else [Path(f) for f in sorted(glob.glob(str(p)))]
+    if not files:
+        raise FileNotFoundError(f"{key} = {pattern!r}: no token shards found")
+    return files

@@ -1,0 +1,75 @@
+"""The hyper-parameters of one decoder. Flavors (flavors.py) are named instances of this."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    vocab_size: int = 0  # 0: taken from the tokenizer
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 0  # 0: n_heads (no GQA)
+    head_dim: int = 0  # 0: dim // n_heads
+    ffn_hidden: int = 768
+    activation: str = "swiglu"  # "swiglu" or "relu2" (squared ReLU, two matrices)
+    max_seq_len: int = 2048
+    rope_theta: float = 10000.0
+    rope_fraction: float = 1.0  # fraction of each head's dims rotated (partial RoPE)
+    nope_every: int = 0  # N > 0: every Nth layer (N-1, 2N-1, ...) uses no positional encoding (RNoPE)
+    qk_norm: bool = False
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    logit_softcap: float = 0.0  # > 0: logits = cap * tanh(logits / cap)
+    # MoDE (Mixture of Distilled Experts); n_experts = 0 keeps every FFN dense.
+    n_experts: int = 0
+    top_k: int = 2
+    moe_hidden: int = 0  # 0: ffn_hidden
+    moe_every: int = 1  # MoDE on layers i with i % moe_every == moe_every - 1; the rest dense
+    shared_expert: bool = False
+    renormalize_gates: bool = True
+    aux_loss_coef: float = 0.01  # Switch-style load-balancing loss; 0 disables
+    router_z_loss_coef: float = 0.001  # logsumexp(router logits)^2
+    bias_update_rate: float = 0.0  # > 0: auxiliary-loss-free balancing (per-expert routing bias)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def hdim(self) -> int:
+        return self.head_dim or self.dim // self.n_heads
+
+    @property
+    def rope_dims(self) -> int:
+        """Rotated dims per head: the fraction rounded down to an even number."""
+        return int(self.hdim * self.rope_fraction) // 2 * 2
+
+    @property
+    def expert_hidden(self) -> int:
+        return self.moe_hidden or self.ffn_hidden
+
+    def uses_rope(self, layer: int) -> bool:
+        return self.rope_dims > 0 and not (self.nope_every and layer % self.nope_every == self.nope_every - 1)
+
+    def is_moe(self, layer: int) -> bool:
+        return self.n_experts > 0 and layer % self.moe_every == self.moe_every - 1
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first inconsistent field."""
+        if self.vocab_size <= 0:
+            raise ValueError(f"vocab_size = {self.vocab_size}: expected > 0")
+        if self.n_heads <= 0 or (not self.head_dim and self.dim % self.n_heads):
+            raise ValueError(f"dim = {self.dim} is not divisible by n_heads = {self.n_heads}")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"n_heads = {self.n_heads} is not divisible by n_kv_heads = {self.kv_heads}")
+        if self.activation not in ("swiglu", "relu2"):
+            raise ValueError(f"activation = {self.activation!r}: expected 'swiglu' or 'relu2'")
+        if not 0.0 <= self.rope_fraction <= 1.0:
+            raise ValueError(f"rope_fraction = {self.rope_fraction}: expected within [0, 1]")
+        if self.n_experts and not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top_k = {self.top_k}: expected between 1 and n_experts = {self.n_experts}")
+        if self.moe_every < 1:
+            raise ValueError(f"moe_every = {self.moe_every}: expected >= 1")

@@ -1,0 +1,28 @@
+"""Closed-form parameter counts, checked against the built model by a test."""
+
+from __future__ import annotations
+
+from torchtitan_ext.models.args import ModelArgs
+
+
+def count_params(a: ModelArgs) -> dict[str, int]:
+    """``total``; ``active`` (used per token: k experts of each MoDE layer); ``embedding`` (the input table)."""
+    hd = a.hdim
+    attention = a.dim * a.n_heads * hd * 2 + a.dim * a.kv_heads * hd * 2 + (2 * hd if a.qk_norm else 0)
+    mats = 3 if a.activation == "swiglu" else 2
+    dense_ffn = mats * a.dim * a.ffn_hidden
+    expert = 3 * a.dim * a.expert_hidden
+    total = active = 0
+    for layer in range(a.n_layers):
+        norms = 2 * a.dim
+        if a.is_moe(layer):
+            shared = expert if a.shared_expert else 0
+            router = a.dim * a.n_experts
+            total += attention + norms + router + a.n_experts * expert + shared
+            active += attention + norms + router + a.top_k * expert + shared
+        else:
+            total += attention + norms + dense_ffn
+            active += attention + norms + dense_ffn
+    embedding = a.vocab_size * a.dim
+    rest = embedding + a.dim + (0 if a.tie_embeddings else embedding)
+    return {"total": total + rest, "active": active + rest, "embedding": embedding}
