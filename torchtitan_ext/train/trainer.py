@@ -131,6 +131,8 @@ class Trainer:
         self.use_autocast = self.device.type == "cuda" and not dims.fsdp_enabled and \
             cfg.training.mixed_precision_param == "bfloat16"
 
+        # Compiled, the loss fuses the float32 upcast of the logits into the cross-entropy kernels.
+        self.loss_fn = torch.compile(cross_entropy_loss) if cfg.training.compile else cross_entropy_loss
         self.optimizers = Optimizers(self.model_parts, cfg.optimizer)
         self.spike_guard = SpikeGuard(t.spike_factor, t.spike_window, t.spike_lr_scale, t.spike_guard)
         self.step = 0
@@ -173,7 +175,7 @@ class Trainer:
             model.set_requires_gradient_sync(last_micro)
         with sync, self._autocast():
             logits = model(inputs)
-            loss = cross_entropy_loss(logits, labels, self.cfg.training.z_loss)
+            loss = self.loss_fn(logits, labels, self.cfg.training.z_loss)
         (loss / self.accum_steps).backward()
         return loss.detach()
 
