@@ -54,6 +54,9 @@ class TrainingSection:
     mixed_precision_reduce: str = opt("float32", "gradient reduction dtype",
                                       choices=("bfloat16", "float32"))
     compile: bool = opt(False, "torch.compile each transformer block")
+    attention_backend: str = opt("auto", "SDPA kernel on GPU: auto (cuDNN first on Hopper), cudnn, flash, "
+                                 "efficient, math, or torch (PyTorch's own choice)",
+                                 choices=("auto", "cudnn", "flash", "efficient", "math", "torch"))
     z_loss: float = opt(0.0, "coefficient of z-loss (logsumexp^2) on output logits", min=0.0)
     spike_guard: bool = opt(True, "halve the LR after a loss spike (Zen report)")
     spike_factor: float = opt(1.5, "a spike is loss > factor x mean of the previous window", min=1.0)

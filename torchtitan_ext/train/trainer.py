@@ -22,6 +22,7 @@ from torchtitan_ext.models.args import ModelArgs
 from torchtitan_ext.models.decoder import Decoder
 from torchtitan_ext.models.flavors import get_flavor
 from torchtitan_ext.models.param_count import count_params
+from torchtitan_ext.ops.attention_backend import attention_backend
 from torchtitan_ext.parallel.dims import ParallelDims
 from torchtitan_ext.parallel.fsdp import apply_ddp
 from torchtitan_ext.parallel.grad_norm import clip_grad_norm_
@@ -160,10 +161,13 @@ class Trainer:
         if self.rank == 0:
             print(msg, flush=True)
 
-    def _autocast(self):
+    def _autocast(self) -> contextlib.ExitStack:
+        """bf16 autocast when FSDP does not cast the parameters itself, and the chosen SDPA backend."""
+        stack = contextlib.ExitStack()
         if self.use_autocast:
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+            stack.enter_context(torch.autocast("cuda", dtype=torch.bfloat16))
+        stack.enter_context(attention_backend(self.cfg.training.attention_backend, self.device))
+        return stack
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, last_micro: bool) -> torch.Tensor:
         """One micro-batch; returns the detached loss. Gradient sync happens on the last micro-batch only."""
