@@ -29,7 +29,8 @@ class JobSection:
 @dataclass
 class ModelSection:
     flavor: str = opt("debug", "named size from torchtitan_ext.models.flavors")
-    vocab_size: int = opt(0, "0: the flavor's, or the tokenizer's when the flavor has none", min=0)
+    vocab_size: int = opt(0, "0: the flavor's, or the tokenizer's (padded to a multiple of 64) when the "
+                         "flavor has none", min=0)
     n_layers: int = opt(0, "0: the flavor's; else override the layer count", min=0)
     dim: int = opt(0, "0: the flavor's; else override d_model", min=0)
     n_heads: int = opt(0, "0: the flavor's; else override", min=0)

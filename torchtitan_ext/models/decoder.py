@@ -49,6 +49,7 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(args.hdim, eps=args.norm_eps) if args.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x (batch, seq, dim); ``rope`` the (cos, sin) tables from position 0."""
         b, t, _ = x.shape
         q = self.wq(x).view(b, t, -1, self.head_dim)
         k = self.wk(x).view(b, t, -1, self.head_dim)
@@ -56,7 +57,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            cos, sin = rope[0][:t], rope[1][:t]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if k.shape[1] != q.shape[1]:  # GQA: each KV head serves n_heads / n_kv_heads query heads
             rep = q.shape[1] // k.shape[1]
@@ -102,8 +104,7 @@ class Decoder(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (batch, seq) -> logits (batch, seq, vocab); a middle or last pipeline stage takes the
         hidden states instead, and a stage without the head returns hidden states."""
-        seq = tokens.shape[1]
-        rope = (self.rope_cos[:seq], self.rope_sin[:seq])
+        rope = (self.rope_cos, self.rope_sin)  # each attention takes the rows of its sequence length
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, rope)

@@ -7,7 +7,7 @@ from torchtitan_ext.models.args import ModelArgs
 FLAVORS: dict[str, ModelArgs] = {
     # Trains on a CPU in seconds; exercises every block feature except MoDE.
     "debug": ModelArgs(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=768, qk_norm=True,
-                       tie_embeddings=True, rope_fraction=0.5, nope_every=4),
+                       rope_fraction=0.5, nope_every=4),
     # Qwen3-0.6B-like: 128-dim heads (attention width 2048 > d_model), tied 152k vocabulary.
     "600m": ModelArgs(vocab_size=151936, dim=1024, n_layers=24, n_heads=16, n_kv_heads=8, head_dim=128,
                       ffn_hidden=4096, qk_norm=True, tie_embeddings=True, rope_theta=1000000.0,
@@ -22,7 +22,7 @@ FLAVORS: dict[str, ModelArgs] = {
     "32b": ModelArgs(vocab_size=128256, dim=7168, n_layers=64, n_heads=56, n_kv_heads=8, ffn_hidden=19456,
                      rope_theta=500000.0, max_seq_len=8192, qk_norm=True),
     # MoDE: top-k routed expert FFNs (Zen report sizes).
-    "mode_debug": ModelArgs(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=768, tie_embeddings=True,
+    "mode_debug": ModelArgs(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=768,
                             n_experts=8, top_k=2, moe_hidden=256),
     "mode_235b": ModelArgs(vocab_size=151936, dim=7168, n_layers=94, n_heads=56, n_kv_heads=8,
                            ffn_hidden=18432, n_experts=128, top_k=2, moe_hidden=864, qk_norm=True,

@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
+import torch.distributed as dist
 import torch.nn as nn
 
 from torchtitan_ext.config.job_config import JobConfig
+from torchtitan_ext.config.loader import ConfigError
 from torchtitan_ext.parallel.activation_checkpoint import apply_activation_checkpointing
 from torchtitan_ext.parallel.compile import apply_compile
 from torchtitan_ext.parallel.dims import ParallelDims
 from torchtitan_ext.parallel.fsdp import DTYPES, apply_fsdp
+from torchtitan_ext.parallel.tp import apply_tp
+from torchtitan_ext.quant.float8 import convert_to_float8
 
 
-def parallelize_decoder(model: nn.Module, dims: ParallelDims, cfg: JobConfig, on_gpu: bool) -> None:
+def parallelize_decoder(model: nn.Module, dims: ParallelDims, cfg: JobConfig, on_gpu: bool,
+                        loss_parallel: bool) -> None:
     """Apply every parallelism except pipelining (which splits the model first) to one model part."""
-    if dims.tp > 1 or dims.ep > 1:
-        raise NotImplementedError("parallelism.tp / parallelism.ep > 1 are not available in this build")
+    if dims.ep > 1:
+        raise ConfigError("parallelism.ep > 1 is not available in this build")
+    if cfg.float8.enabled:  # before TP and FSDP: they shard the Float8Linear weights
+        convert_to_float8(model, cfg.float8, log=print if dist.get_rank() == 0 else lambda msg: None)
+    if dims.tp > 1:
+        apply_tp(model, dims.submesh("tp"), loss_parallel)
     ac = cfg.activation_checkpoint
     apply_activation_checkpointing(model, ac.mode, ac.selective_every)
     if cfg.training.compile:

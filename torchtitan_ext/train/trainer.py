@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan_ext.checkpoint.manager import CheckpointManager, ModelParts
 from torchtitan_ext.config.job_config import JobConfig
@@ -28,10 +30,18 @@ from torchtitan_ext.parallel.fsdp import apply_ddp
 from torchtitan_ext.parallel.grad_norm import clip_grad_norm_
 from torchtitan_ext.parallel.init import materialize_and_init
 from torchtitan_ext.parallel.parallelize import parallelize_decoder
+from torchtitan_ext.parallel.pp import build_schedule, check_schedule, split_stages
+from torchtitan_ext.parallel.tp import check_tp
+from torchtitan_ext.quant.float8 import check_float8_supported, precompute_float8_scales
 from torchtitan_ext.train.losses import cross_entropy_loss
 from torchtitan_ext.train.lr_schedule import lr_multiplier
 from torchtitan_ext.train.optim import Optimizers
 from torchtitan_ext.train.spike_guard import SpikeGuard
+
+
+def _plain(x: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor (loss parallel returns a replicated DTensor)."""
+    return x.full_tensor() if isinstance(x, DTensor) else x
 
 
 class TrainingDiverged(RuntimeError):
@@ -61,7 +71,7 @@ def resolve_model_args(cfg: JobConfig, tokenizer_vocab: int) -> ModelArgs:
         if not tokenizer_vocab:
             raise ConfigError("data.tokenizer = 'none' needs model.vocab_size (for example 50304 for "
                               "GPT-2-tokenized FineWeb shards)")
-        overrides["vocab_size"] = tokenizer_vocab
+        overrides["vocab_size"] = -(-tokenizer_vocab // 64) * 64  # padded: divisible by tp, aligned GEMMs
     overrides.setdefault("max_seq_len", cfg.training.seq_len)
     args = dataclasses.replace(args, **overrides)
     if args.vocab_size < tokenizer_vocab:
@@ -85,6 +95,7 @@ class Trainer:
             raise ConfigError("job.device = 'cuda' but no CUDA device is visible")
         self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if want_cuda \
             else torch.device("cpu")
+        check_float8_supported(cfg.float8, self.device)
         if want_cuda:
             torch.cuda.set_device(self.device)
         init_distributed(self.device.type)
@@ -121,19 +132,43 @@ class Trainer:
         self.log(f"model {cfg.model.flavor}: {counts['total']:,} parameters "
                  f"({counts['active']:,} active per token, {counts['embedding']:,} embedding)")
         plan = model.init_plan()
-        self.model_parts = [model]
-        parallelize_decoder(model, dims, cfg, on_gpu=self.device.type == "cuda")
+        self.loss_parallel = dims.tp > 1 and dims.pp == 1  # a last pipeline stage gathers its logits
+        if dims.tp > 1:
+            try:
+                check_tp(margs, dims.tp)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        self.pp_schedule = None
+        if dims.pp > 1:
+            p = cfg.parallelism
+            self.pp_microbatches = p.pp_microbatches or dims.pp * p.pp_virtual_stages
+            check_schedule(p.pp_schedule, p.pp_virtual_stages, self.pp_microbatches, dims.pp, t.local_batch_size)
+            stages = split_stages(model, dims.submesh("pp").get_local_rank(), dims.pp, p.pp_virtual_stages,
+                                  p.pp_schedule, p.pp_split_points)
+            self.model_parts = [m for _, m in stages]
+        else:
+            self.model_parts = [model]
         for part in self.model_parts:
+            parallelize_decoder(part, dims, cfg, on_gpu=self.device.type == "cuda",
+                                loss_parallel=self.loss_parallel)
             materialize_and_init(part, self.device, cfg.job.seed, plan)
             part.init_buffers(self.device)
             part.train()
+        if dims.pp > 1:
+            n_stages = dims.pp * cfg.parallelism.pp_virtual_stages
+            self.pp_has_first = any(sid == 0 for sid, _ in stages)
+            self.pp_has_last = any(sid == n_stages - 1 for sid, _ in stages)
+            self.pp_schedule = build_schedule(
+                stages, n_stages, self.device, dims.submesh("pp").get_group(), cfg.parallelism.pp_schedule,
+                self.pp_microbatches, self._pipeline_loss)
         if dims.ddp_enabled:
             self.model_parts = [apply_ddp(m, dims.submesh("dp")) for m in self.model_parts]
         self.use_autocast = self.device.type == "cuda" and not dims.fsdp_enabled and \
             cfg.training.mixed_precision_param == "bfloat16"
 
         # Compiled, the loss fuses the float32 upcast of the logits into the cross-entropy kernels.
-        self.loss_fn = torch.compile(cross_entropy_loss) if cfg.training.compile else cross_entropy_loss
+        compile_loss = cfg.training.compile and not self.loss_parallel
+        self.loss_fn = torch.compile(cross_entropy_loss) if compile_loss else cross_entropy_loss
         self.optimizers = Optimizers(self.model_parts, cfg.optimizer)
         self.spike_guard = SpikeGuard(t.spike_factor, t.spike_window, t.spike_lr_scale, t.spike_guard)
         self.step = 0
@@ -169,19 +204,40 @@ class Trainer:
         stack.enter_context(attention_backend(self.cfg.training.attention_backend, self.device))
         return stack
 
+    def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per micro-batch on the last stage; the schedule averages over its micro-batches."""
+        return self.loss_fn(logits, labels, self.cfg.training.z_loss) / self.accum_steps
+
+    def _loss_context(self) -> contextlib.AbstractContextManager:
+        return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
+
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, last_micro: bool) -> torch.Tensor:
         """One micro-batch; returns the detached loss. Gradient sync happens on the last micro-batch only."""
+        if self.pp_schedule is not None:
+            return self._pipeline_step(inputs, labels, self.pp_schedule.step) * self.accum_steps
         model = self.model_parts[0]
         sync = contextlib.nullcontext()
         if self.dims.ddp_enabled and not last_micro:
             sync = model.no_sync()
         elif hasattr(model, "set_requires_gradient_sync"):
             model.set_requires_gradient_sync(last_micro)
-        with sync, self._autocast():
+        with sync, self._autocast(), self._loss_context():
             logits = model(inputs)
             loss = self.loss_fn(logits, labels, self.cfg.training.z_loss)
-        (loss / self.accum_steps).backward()
-        return loss.detach()
+            (loss / self.accum_steps).backward()
+        return _plain(loss.detach())
+
+    def _pipeline_step(self, inputs: torch.Tensor, labels: torch.Tensor, run) -> torch.Tensor:
+        """Run the schedule (``step`` or ``eval``); the mean micro-batch loss, known on every pp rank."""
+        losses: list[torch.Tensor] | None = [] if self.pp_has_last else None
+        target = labels if self.pp_has_last else None
+        args = (inputs,) if self.pp_has_first else ()
+        with self._autocast():
+            run(*args, target=target, losses=losses)
+        loss = torch.stack([_plain(x.detach()) for x in losses]).mean() if losses else \
+            torch.zeros((), device=self.device)
+        dist.all_reduce(loss, group=self.dims.submesh("pp").get_group())  # only one rank holds the last stage
+        return loss
 
     def train_step(self) -> tuple[float, float]:
         lr = self.cfg.optimizer.lr * lr_multiplier(self.step, self.cfg.training.steps, self.cfg.lr_scheduler)
@@ -194,8 +250,11 @@ class Trainer:
             inputs, labels = batch.inputs.to(self.device), batch.labels.to(self.device)
             loss_sum += self.forward_backward(inputs, labels, micro == self.accum_steps - 1)
         params = [p for m in self.model_parts for p in m.parameters()]
-        grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm)
+        pp_group = self.dims.submesh("pp").get_group() if self.dims.pp > 1 else None
+        grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_group)
         self.optimizers.step()
+        if self.cfg.float8.enabled and self.cfg.float8.precompute_float8_dynamic_scale_for_fsdp:
+            precompute_float8_scales(self.model_parts)
         loss = loss_sum / self.accum_steps
         if self.dims.dp > 1:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dims.submesh("dp").get_group())
@@ -205,15 +264,22 @@ class Trainer:
     def evaluate(self) -> float | None:
         if self.val_loader is None or self.cfg.eval.steps == 0:
             return None
+        if self.pp_schedule is not None and not hasattr(self.pp_schedule, "eval"):
+            self.log("evaluation skipped: this torch's pipeline schedules have no eval()")
+            return None
         for m in self.model_parts:
             m.eval()
         self.val_loader.reset()  # every evaluation sees the same batches
         total = torch.zeros((), device=self.device)
         for _ in range(self.cfg.eval.steps):
             batch = self.val_loader.next_batch()
-            with self._autocast():
-                logits = self.model_parts[0](batch.inputs.to(self.device))
-            total += cross_entropy_loss(logits, batch.labels.to(self.device))
+            inputs, labels = batch.inputs.to(self.device), batch.labels.to(self.device)
+            if self.pp_schedule is not None:
+                total += self._pipeline_step(inputs, labels, self.pp_schedule.eval) * self.accum_steps
+                continue
+            with self._autocast(), self._loss_context():
+                logits = self.model_parts[0](inputs)
+                total += _plain(cross_entropy_loss(logits, labels))
         for m in self.model_parts:
             m.train()
         val = total / self.cfg.eval.steps

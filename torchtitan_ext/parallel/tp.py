@@ -1,0 +1,70 @@
+"""Tensor + sequence parallelism with DTensor (Megatron layout).
+
+Q/K/V and the FFN's w1/w3 are split by output columns, ``wo`` and ``w2`` by input rows, so each block needs
+one all-gather before and one reduce-scatter after each of attention and FFN. Between them the residual
+stream and the norms stay sharded along the sequence (sequence parallel). The embedding is split by
+vocabulary rows and the head by vocabulary columns; with loss parallel the logits stay sharded over the
+vocabulary and the cross-entropy never gathers them.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from torchtitan_ext.models.args import ModelArgs
+
+
+def check_tp(args: ModelArgs, tp: int) -> None:
+    """ValueError naming the first model dimension that ``tp`` does not divide."""
+    for name, value in (("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads), ("ffn_hidden", args.ffn_hidden),
+                        ("vocab_size", args.vocab_size)):
+        if value % tp:
+            raise ValueError(f"parallelism.tp = {tp} does not divide model.{name} = {value}")
+    if args.tie_embeddings:
+        raise ValueError(f"parallelism.tp = {tp} needs untied embeddings (the flavor ties them)")
+    if args.n_experts:
+        raise ValueError("parallelism.tp > 1 with MoDE layers: shard experts with parallelism.ep instead")
+
+
+def apply_tp(model: nn.Module, mesh: DeviceMesh, loss_parallel: bool) -> None:
+    """Shard a Decoder (or a pipeline stage of one) over the 1-D ``tp`` mesh, in place."""
+    root_plan = {}
+    if model.tok_embeddings is not None:
+        root_plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if model.norm is not None:
+        root_plan["norm"] = SequenceParallel()
+        root_plan["output"] = ColwiseParallel(input_layouts=Shard(1),
+                                              output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                              use_local_output=not loss_parallel)
+    if root_plan:
+        parallelize_module(model, mesh, root_plan)
+    for block in model.layers.values():
+        plan = {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
+                                            desired_input_layouts=(Replicate(), None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        }
+        if block.feed_forward.w3 is not None:
+            plan["feed_forward.w3"] = ColwiseParallel()
+        if block.attention.q_norm is not None:
+            # Per-head norms see this rank's heads (dim 2); as replicated DTensors their gradients are summed.
+            plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        parallelize_module(block, mesh, plan)
