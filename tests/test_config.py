@@ -11,6 +11,9 @@ from trainer_utils import REPO
 
 from torchtitan_ext.config.job_config import JobConfig
 from torchtitan_ext.config.loader import ConfigError, help_text, load_toml, parse_args, to_toml
+from torchtitan_ext.models.flavors import get_flavor
+from torchtitan_ext.parallel.pp import layer_ranges
+from torchtitan_ext.parallel.tp import check_tp
 
 
 def test_toml_and_overrides(tmp_path):
@@ -80,3 +83,14 @@ def test_help_lists_every_key():
     proc = subprocess.run([sys.executable, "-m", "torchtitan_ext.train", "--help"], cwd=REPO,
                           capture_output=True, text=True)
     assert proc.returncode == 0 and "--training.steps = 200" in proc.stdout
+
+
+@pytest.mark.parametrize("path", sorted(str(p) for p in (REPO / "train_configs").glob("*.toml")))
+def test_shipped_configs_load(path):
+    """Every shipped job parses, names an existing flavor, and its layout divides the model."""
+    cfg = parse_args(["--config", path])
+    args = get_flavor(cfg.model.flavor)
+    if cfg.parallelism.tp > 1 and args.vocab_size:
+        check_tp(args, cfg.parallelism.tp)
+    if cfg.parallelism.pp > 1:
+        layer_ranges(args.n_layers, cfg.parallelism.pp * cfg.parallelism.pp_virtual_stages, [])

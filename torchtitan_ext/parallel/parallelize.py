@@ -11,7 +11,7 @@ from torchtitan_ext.parallel.activation_checkpoint import apply_activation_check
 from torchtitan_ext.parallel.compile import apply_compile
 from torchtitan_ext.parallel.dims import ParallelDims
 from torchtitan_ext.parallel.fsdp import DTYPES, apply_fsdp
-from torchtitan_ext.parallel.tp import apply_tp
+from torchtitan_ext.parallel.tp import apply_tp, enable_async_tp
 from torchtitan_ext.quant.float8 import convert_to_float8
 
 
@@ -24,6 +24,8 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, cfg: JobConfig, on
         convert_to_float8(model, cfg.float8, log=print if dist.get_rank() == 0 else lambda msg: None)
     if dims.tp > 1:
         apply_tp(model, dims.submesh("tp"), loss_parallel)
+        if cfg.parallelism.async_tp:
+            enable_async_tp(dims.submesh("tp"), compiled=cfg.training.compile, on_gpu=on_gpu)
     ac = cfg.activation_checkpoint
     apply_activation_checkpointing(model, ac.mode, ac.selective_every)
     if cfg.training.compile:

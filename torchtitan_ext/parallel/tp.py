@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from torchtitan_ext.config.loader import ConfigError
 from torchtitan_ext.models.args import ModelArgs
 
 
@@ -68,3 +69,15 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, loss_parallel: bool) -> None:
             plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
             plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         parallelize_module(block, mesh, plan)
+
+
+def enable_async_tp(mesh: DeviceMesh, compiled: bool, on_gpu: bool) -> None:
+    """Let Inductor overlap TP's all-gathers and reduce-scatters with the matmuls (micro-pipelined TP over
+    symmetric memory); it rewrites compiled graphs, so it needs ``training.compile`` and CUDA."""
+    if not (compiled and on_gpu):
+        raise ConfigError("parallelism.async_tp = true needs training.compile = true on CUDA GPUs")
+    import torch._inductor.config as inductor_config
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    inductor_config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(mesh.get_group().group_name)

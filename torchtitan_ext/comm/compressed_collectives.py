@@ -1,0 +1,326 @@
+"""Squinch-compressed gradient collectives: a DDP all-reduce hook and an FSDP2 reduce-scatter.
+
+Both send gradients as Squinch bytes (6 bytes per block of 8 values, see ``squinch.py``) and do every
+reduction in float32 after decoding, so no low-precision arithmetic happens on the wire.
+
+* DDP (:func:`register_squinch_ddp_hook`): a bucket's gradients are encoded and split into one chunk per
+  rank; an all-to-all hands each rank the chunks it owns, which it decodes, sums and averages, re-encodes
+  and all-gathers; everyone decodes the gathered bytes.
+* FSDP2 (:func:`apply_squinch_fsdp`): each rank encodes its whole unsharded gradient, an all-to-all sends
+  every destination only the compressed chunk of its shard, and the destination decodes and sums the
+  chunks in float32, then divides as FSDP's reduce op asks.
+* HSDP: FSDP2 (torch 2.11 to 2.13) has no extension point for the all-reduce over the replicate
+  dimension (``set_all_reduce_hook`` runs *after* FSDP's own all-reduce, it cannot replace it), so on HSDP
+  only the reduce-scatter inside each shard group is compressed; the replicate all-reduce stays
+  uncompressed and is not counted in :class:`CommStats`.
+
+Error feedback (optional): the residual ``input - decode(encode(input))`` of a rank's own encoding is kept
+in float32 and added to the next step's gradient before encoding, so compression error does not
+accumulate as a bias over steps. A non-finite residual entry is reset to zero: the step that produced it
+is skipped by the trainer's guard and must not poison later steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed import ReduceOp
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Replicate
+from torch.nn.parallel import DistributedDataParallel
+
+from torchtitan_ext.comm.squinch import decode, encode
+
+try:  # public from some torch versions on, private module before that (2.11 to 2.13)
+    from torch.distributed.fsdp import ReduceScatter as _ReduceScatter
+except ImportError:
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatter
+    except ImportError:
+        _ReduceScatter = None
+_ReduceScatterBase = _ReduceScatter if _ReduceScatter is not None else object
+
+logger = logging.getLogger(__name__)
+
+BLOCK = 8  # values per Squinch block
+BLOCK_BYTES = 6  # bytes per encoded block
+
+
+@dataclass
+class CommStats:
+    """Gradient bytes handed to the collectives since the last :meth:`reset` (one rank's view).
+
+    ``bytes_sent`` counts the tensors actually passed to the collectives (Squinch bytes, plus gradients
+    below ``min_numel`` sent as they are); ``bytes_uncompressed`` counts what the same collectives would
+    have been given carrying the same elements in the gradient's dtype.
+    """
+
+    bytes_sent: int = 0
+    bytes_uncompressed: int = 0
+
+    def add(self, sent: torch.Tensor, numel: int, dtype: torch.dtype) -> None:
+        """Count one collective input ``sent`` that carries ``numel`` gradient values of ``dtype``."""
+        self.bytes_sent += sent.numel() * sent.element_size()
+        self.bytes_uncompressed += numel * dtype.itemsize
+
+    def reset(self) -> None:
+        self.bytes_sent = 0
+        self.bytes_uncompressed = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"comm/bytes_sent": self.bytes_sent, "comm/bytes_uncompressed": self.bytes_uncompressed}
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _check_options(min_numel: int, stats: CommStats) -> None:
+    if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
+        raise ValueError(f"min_numel must be an int >= 0, got {min_numel!r}")
+    if not isinstance(stats, CommStats):
+        raise ValueError(f"stats must be a CommStats, got {type(stats).__name__}")
+
+
+def _all_gather_into(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
+    # ``all_gather_single`` replaces the deprecated ``all_gather_into_tensor`` from torch 2.13 on.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, input, group=group)
+
+
+def _encode_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Encode each row of a (world, c) float32 tensor on its own: (world, 6 * ceil(c / 8)) bytes.
+
+    Zero-padding every row to whole blocks makes one ``encode`` call produce exactly the bytes of
+    ``encode(row)`` per row, since the padded zeros change neither a block's maximum nor its other values.
+    """
+    world, c = rows.shape
+    padded_c = _round_up(c, BLOCK)
+    if padded_c != c:
+        rows = torch.nn.functional.pad(rows, (0, padded_c - c))
+    return encode(rows.reshape(-1)).view(world, padded_c // BLOCK * BLOCK_BYTES)
+
+
+def _decode_rows(encoded: torch.Tensor, c: int) -> torch.Tensor:
+    """Inverse of :func:`_encode_rows`: (world, 6 * ceil(c / 8)) bytes to (world, c) float32."""
+    world = encoded.shape[0]
+    padded_c = _round_up(c, BLOCK)
+    return decode(encoded.reshape(-1), world * padded_c).view(world, padded_c)[:, :c]
+
+
+def _residual(inputs: torch.Tensor, encoded: torch.Tensor) -> torch.Tensor:
+    """This step's compression error of ``inputs`` (world, c), with non-finite entries reset to zero."""
+    residual = inputs - _decode_rows(encoded, inputs.shape[1])
+    return torch.where(torch.isfinite(residual), residual, torch.zeros_like(residual))
+
+
+def _exchange_and_sum(rows: torch.Tensor, group: dist.ProcessGroup, dtype: torch.dtype, stats: CommStats,
+                      residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Reduce-scatter of float32 ``rows`` (world, c) in Squinch bytes: row d goes to rank d.
+
+    Returns this rank's float32 sum of the rows it received, and the new error-feedback residual
+    (``None`` unless a previous ``residual`` was given).
+    """
+    if residual is not None:
+        rows = rows + residual
+    encoded = _encode_rows(rows)
+    new_residual = _residual(rows, encoded) if residual is not None else None
+    received = torch.empty_like(encoded)
+    stats.add(encoded, rows.numel(), dtype)
+    dist.all_to_all_single(received, encoded, group=group)
+    return _decode_rows(received, rows.shape[1]).sum(dim=0), new_residual
+
+
+def _side_stream_context(device: torch.device, streams: dict[torch.device, torch.cuda.Stream]):
+    """Run DDP hook work on a side CUDA stream so backward compute keeps running during communication."""
+    if device.type != "cuda":
+        return nullcontext()
+    stream = streams.get(device)
+    if stream is None:
+        stream = streams[device] = torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    return torch.cuda.stream(stream)
+
+
+class _DDPHookState:
+    """Options and per-parameter error-feedback residuals of one DDP model's hook."""
+
+    def __init__(self, group: dist.ProcessGroup, min_numel: int, error_feedback: bool, stats: CommStats):
+        self.group = group
+        self.min_numel = min_numel
+        self.error_feedback = error_feedback
+        self.stats = stats
+        # Keyed by parameter, not bucket: DDP rebuilds its buckets after the first iteration.
+        self.residuals: dict[torch.Tensor, torch.Tensor] = {}
+        self.streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _bucket_slices(bucket: dist.GradBucket) -> list[tuple[torch.Tensor, int, int]]:
+    """(parameter, offset, numel) of every gradient inside the bucket's flat buffer."""
+    buffer = bucket.buffer()
+    slices = []
+    for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
+        if grad.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr():
+            raise RuntimeError("Squinch DDP hook: a bucket gradient is not a view of the bucket buffer "
+                               "(sparse gradients are not supported)")
+        slices.append((param, grad.storage_offset() - buffer.storage_offset(), grad.numel()))
+    return slices
+
+
+def _compressed_all_reduce(flat: torch.Tensor, state: _DDPHookState, dtype: torch.dtype,
+                           residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Average float32 ``flat`` over the group in Squinch bytes; returns it and the new residual."""
+    world = state.group.size()
+    n = flat.numel()
+    # Chunks of whole blocks, so every rank owns complete blocks of the bucket.
+    chunk = _round_up(_round_up(n, world) // world, BLOCK)
+    rows = torch.nn.functional.pad(flat, (0, world * chunk - n)).view(world, chunk)
+    if residual is not None:
+        residual = torch.nn.functional.pad(residual, (0, world * chunk - n)).view(world, chunk)
+    owned, residual = _exchange_and_sum(rows, state.group, dtype, state.stats, residual)
+    owned_encoded = _encode_rows((owned / world).view(1, chunk))  # average as DDP does
+    gathered = torch.empty((world, owned_encoded.shape[1]), dtype=torch.uint8, device=flat.device)
+    state.stats.add(owned_encoded, chunk, dtype)
+    _all_gather_into(gathered, owned_encoded, state.group)
+    result = _decode_rows(gathered, chunk).reshape(-1)[:n]
+    return result, None if residual is None else residual.reshape(-1)[:n]
+
+
+def _squinch_ddp_hook(state: _DDPHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: compressed all-reduce of the large gradients, plain one of the small."""
+    buffer = bucket.buffer()
+    world = state.group.size()
+    with _side_stream_context(buffer.device, state.streams):
+        out = torch.empty_like(buffer)
+        slices = _bucket_slices(bucket)
+        small = [(o, n) for _, o, n in slices if n < state.min_numel]
+        large = [(p, o, n) for p, o, n in slices if n >= state.min_numel]
+        if small:
+            flat = torch.cat([buffer[o:o + n] for o, n in small])
+            state.stats.add(flat, flat.numel(), buffer.dtype)
+            dist.all_reduce(flat, group=state.group)
+            flat.div_(world)
+            for (o, n), part in zip(small, flat.split([n for _, n in small]), strict=True):
+                out[o:o + n] = part
+        if large:
+            flat = torch.cat([buffer[o:o + n] for _, o, n in large]).float()
+            residual = None
+            if state.error_feedback:
+                residual = torch.cat([
+                    state.residuals.get(p, torch.zeros(n, dtype=torch.float32, device=buffer.device))
+                    for p, _, n in large])
+            reduced, residual = _compressed_all_reduce(flat, state, buffer.dtype, residual)
+            sizes = [n for _, _, n in large]
+            for (_, o, n), part in zip(large, reduced.split(sizes), strict=True):
+                out[o:o + n] = part
+            if residual is not None:
+                for (p, _, _), part in zip(large, residual.split(sizes), strict=True):
+                    state.residuals[p] = part
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future(
+            devices=[buffer.device] if buffer.device.type == "cuda" else None)
+        future.set_result(out)
+    return future
+
+
+def register_squinch_ddp_hook(model: DistributedDataParallel, process_group: dist.ProcessGroup | None, *,
+                              min_numel: int, error_feedback: bool, stats: CommStats) -> None:
+    """Make ``model``'s gradient all-reduce go through Squinch (gradients below ``min_numel`` go plain).
+
+    ``process_group`` is the DDP group (``None``: the default group). Gradients are averaged over it,
+    as DDP's own all-reduce does. Call before the first backward.
+    """
+    if not isinstance(model, DistributedDataParallel):
+        raise ValueError(f"register_squinch_ddp_hook expects a DistributedDataParallel model, "
+                         f"got {type(model).__name__}")
+    _check_options(min_numel, stats)
+    group = process_group if process_group is not None else dist.group.WORLD
+    model.register_comm_hook(_DDPHookState(group, min_numel, error_feedback, stats), _squinch_ddp_hook)
+
+
+def _apply_reduce_op(total: torch.Tensor, op: object, world: int) -> torch.Tensor:
+    """Apply FSDP's reduce op to an already summed shard (the divide is the op's, nothing else)."""
+    if op == ReduceOp.SUM:
+        return total
+    if op == ReduceOp.AVG:
+        return total / world
+    if op == ReduceOp.PREMUL_SUM:
+        try:
+            factor = op.factor
+        except AttributeError as e:
+            raise RuntimeError(f"Squinch reduce-scatter: torch {torch.__version__} does not expose the "
+                               f"factor of a PREMUL_SUM reduce op (set_gradient_divide_factor)") from e
+        return total * factor
+    raise ValueError(f"Squinch reduce-scatter supports SUM, AVG and PREMUL_SUM reduce ops, got {op}")
+
+
+class SquinchReduceScatter(_ReduceScatterBase):
+    """FSDP2 custom reduce-scatter sending Squinch bytes through an all-to-all.
+
+    One instance per FSDP module: FSDP hands it that module's flat gradient, laid out as ``world`` rows,
+    row d being rank d's shard, so the error-feedback residual is kept per module. When the layout
+    changes (a parameter got no gradient this step) the residual restarts from zero. Error feedback
+    costs one float32 copy of the module's unsharded gradient per rank.
+
+    The work runs synchronously on the calling stream: ``async_op`` is accepted for the interface, and
+    the output is ready (stream-ordered) when the call returns, which returns ``None``.
+    """
+
+    def __init__(self, min_numel: int, error_feedback: bool, stats: CommStats) -> None:
+        self.min_numel = min_numel
+        self.error_feedback = error_feedback
+        self.stats = stats
+        self.residual: torch.Tensor | None = None
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: object, async_op: bool = False) -> dist.Work | None:
+        if input_tensor.numel() < self.min_numel:
+            self.stats.add(input_tensor, input_tensor.numel(), input_tensor.dtype)
+            reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            return reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        world = group.size()
+        rows = input_tensor.view(world, -1).float()
+        residual = None
+        if self.error_feedback:
+            residual = self.residual
+            if residual is None or residual.shape != rows.shape or residual.device != rows.device:
+                residual = torch.zeros_like(rows)
+        total, self.residual = _exchange_and_sum(rows, group, input_tensor.dtype, self.stats, residual)
+        output_tensor.copy_(_apply_reduce_op(total, op, world).view_as(output_tensor))
+        return None
+
+
+def _is_hsdp(module: nn.Module) -> bool:
+    """FSDP2 places HSDP parameters as (Replicate, Shard, ...) on its (replicate, shard) mesh."""
+    return any(isinstance(p, DTensor) and p.device_mesh.ndim >= 2 and isinstance(p.placements[0], Replicate)
+               for p in module.parameters(recurse=False))
+
+
+def apply_squinch_fsdp(model: nn.Module, *, min_numel: int, error_feedback: bool, stats: CommStats) -> None:
+    """Install a :class:`SquinchReduceScatter` on every FSDP2 module inside ``model`` (``model`` included).
+
+    ``min_numel`` applies to each module's whole flat gradient (FSDP2 hands the reduce-scatter one flat
+    tensor per module). Call after ``fully_shard``; on HSDP only the reduce-scatter is compressed.
+    """
+    _check_options(min_numel, stats)
+    if _ReduceScatter is None or not hasattr(FSDPModule, "set_custom_reduce_scatter"):
+        raise RuntimeError(f"Squinch for FSDP2 needs FSDPModule.set_custom_reduce_scatter and the FSDP2 "
+                           f"ReduceScatter interface, missing in torch {torch.__version__}")
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not modules:
+        raise ValueError("apply_squinch_fsdp: no FSDP2 module (fully_shard) found inside the model")
+    hsdp = False
+    for module in modules:
+        module.set_custom_reduce_scatter(SquinchReduceScatter(min_numel, error_feedback, stats))
+        hsdp = hsdp or _is_hsdp(module)
+    if hsdp:
+        logger.warning("Squinch on HSDP: FSDP2 in torch %s has no custom all-reduce for the replicate "
+                       "dimension, so that all-reduce stays uncompressed", torch.__version__)

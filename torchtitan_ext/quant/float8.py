@@ -1,0 +1,170 @@
+"""FP8 training of the dense linears through ``torchao.float8``, applied to the meta-device model before TP,
+activation checkpointing, compile and FSDP (so those wrap ``Float8Linear`` modules, as torchao expects).
+
+Recipes (``[float8] recipe``): ``tensorwise`` (one dynamic scale per tensor, cuBLAS FP8 GEMMs; the fastest,
+and the only one whose weights FSDP2 can all-gather in float8 and whose TP all-gathers can run in float8),
+``rowwise`` (one scale per row, power-of-two scales, CUTLASS rowwise GEMMs; more accurate, slower) and
+``rowwise_with_gw_hp`` (rowwise, with the weight gradient computed in bf16).
+
+Which linears stay in bf16 (``float8_module_filter``): the FQNs listed in ``filter_fqns`` (the output head by
+default: its logits feed the loss and it is a large share of the error), MoDE routers (an FP8 rounding can
+flip a top-k choice, and the GEMM is tiny), and any linear whose in/out features are below ``min_dim`` or not
+divisible by 16 (``torch._scaled_mm`` needs multiples of 16; small GEMMs lose more to the casts than the FP8
+GEMM saves).
+
+MoDE experts stay in bf16. torchao 0.17 has FP8 rowwise grouped GEMMs for MoE training only as a prototype
+(``torchao.prototype.moe_training``: ``Float8TrainingOpConfig`` swaps expert weights for a tensor subclass
+that intercepts ``torch._grouped_mm``). It needs every expert's token group to be a multiple of 16 rows,
+and its own padding path is not implemented in 0.17 (``pad_token_groups_for_grouped_mm=True`` asserts "not yet
+supported"); MoDE's dropless routing gives groups of any size, so the FP8 kernel would fail or need padding
+inside the MoDE layer. Until torchao's API leaves the prototype namespace, ``GroupedExperts`` runs its grouped
+GEMMs in bf16 and ``convert_to_float8`` says so in its log.
+
+torchao / torch pairing: torchao 0.17.0 (the wheel carried in ``.whl/``) imports and trains float8 with
+torch 2.11 on the GPU machine (H100), and imports and converts modules with torch 2.13 (CPU, this
+project's CI). Its ``__init__`` loads its compiled kernels only for torch >= 2.11 (older torch: a warning, the
+pure-PyTorch float8 path still imports). Newer torch releases (2.14) with torchao 0.17: unknown, not tested.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+from collections.abc import Callable
+from types import ModuleType
+
+import torch
+import torch.nn as nn
+
+from torchtitan_ext.config.job_config import Float8Section
+from torchtitan_ext.config.loader import ConfigError
+
+logger = logging.getLogger(__name__)
+
+MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9) and Hopper (9.0) onwards
+INSTALL_HINT = "pip install 'torchtitan_ext[gpu]' (or: pip install torchao)"
+
+
+def _torchao_float8() -> ModuleType:
+    """``torchao.float8``, or a one-line ConfigError with the install command."""
+    try:
+        return importlib.import_module("torchao.float8")
+    except ImportError as e:
+        raise ConfigError(f"float8.enabled = true needs torchao, which cannot be imported ({e}); "
+                          f"{INSTALL_HINT}") from None
+
+
+def check_float8_supported(cfg: Float8Section, device: torch.device) -> None:
+    """Refuse, before any work starts, a float8 setup that cannot run here; a no-op when FP8 is off."""
+    if not cfg.enabled:
+        return
+    if cfg.recipe != "tensorwise":
+        for key in ("enable_fsdp_float8_all_gather", "precompute_float8_dynamic_scale_for_fsdp"):
+            if getattr(cfg, key):
+                raise ConfigError(f"float8.{key} = true needs float8.recipe = 'tensorwise' (got "
+                                  f"{cfg.recipe!r}): only tensorwise scales can be computed before the "
+                                  f"all-gather")
+    if cfg.precompute_float8_dynamic_scale_for_fsdp and not cfg.enable_fsdp_float8_all_gather:
+        raise ConfigError("float8.precompute_float8_dynamic_scale_for_fsdp = true has no effect without "
+                          "float8.enable_fsdp_float8_all_gather = true")
+    if device.type != "cuda":
+        raise ConfigError(f"float8.enabled = true needs a CUDA GPU of compute capability >= "
+                          f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} (H100, L40S, RTX 4090 ...); this job runs on "
+                          f"{device.type}")
+    capability = torch.cuda.get_device_capability(device)
+    if tuple(capability) < MIN_CAPABILITY:
+        raise ConfigError(f"float8.enabled = true needs compute capability >= {MIN_CAPABILITY[0]}."
+                          f"{MIN_CAPABILITY[1]}; {torch.cuda.get_device_name(device)} has {capability[0]}."
+                          f"{capability[1]} (no FP8 tensor cores)")
+    _torchao_float8()
+
+
+def _skip_reason(cfg: Float8Section, module: nn.Module, fqn: str) -> str | None:
+    """Why the linear ``fqn`` stays in bf16, or None when it becomes a Float8Linear."""
+    hit = next((f for f in cfg.filter_fqns if f in fqn), None)
+    if hit is not None:
+        return f"filter_fqns entry {hit!r}"
+    if any(part.startswith("router") for part in fqn.split(".")):
+        return "MoDE router"
+    for name in ("in_features", "out_features"):
+        size = getattr(module, name)
+        if size < cfg.min_dim:
+            return f"{name} {size} < min_dim {cfg.min_dim}"
+        if size % 16:
+            return f"{name} {size} not divisible by 16"
+    return None
+
+
+def float8_module_filter(cfg: Float8Section) -> Callable[[nn.Module, str], bool]:
+    """torchao's ``module_filter_fn``: True for the ``nn.Linear`` modules that become Float8Linear."""
+    def keep(module: nn.Module, fqn: str) -> bool:
+        return isinstance(module, nn.Linear) and _skip_reason(cfg, module, fqn) is None
+    return keep
+
+
+def _linear_config(f8: ModuleType, cfg: Float8Section, emulate: bool):
+    """The Float8LinearConfig of ``cfg.recipe``; ``emulate`` runs the FP8 GEMMs in high precision (tests)."""
+    if cfg.recipe == "tensorwise":
+        return f8.Float8LinearConfig(enable_fsdp_float8_all_gather=cfg.enable_fsdp_float8_all_gather,
+                                     emulate=emulate)
+    config = f8.Float8LinearConfig.from_recipe_name(cfg.recipe)
+    return dataclasses.replace(config, emulate=True) if emulate else config
+
+
+def convert_to_float8(model: nn.Module, cfg: Float8Section, *, emulate: bool = False,
+                      log: Callable[[str], None] | None = None) -> list[str]:
+    """Swap the filter's linears for torchao ``Float8Linear`` in place; returns their FQNs.
+
+    Call it on the unsharded (meta-device) model before any other parallelism. Skipped linears and the
+    MoDE experts (bf16, see the module docstring) are reported through ``log`` (default: this module's
+    logger at INFO).
+    """
+    f8 = _torchao_float8()
+    from torchao.float8.float8_linear import Float8Linear
+
+    from torchtitan_ext.models.mode import GroupedExperts
+
+    log = log or logger.info
+    skipped = {fqn: _skip_reason(cfg, m, fqn) for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
+    skipped = {fqn: why for fqn, why in skipped.items() if why is not None}
+    f8.convert_to_float8_training(model, module_filter_fn=float8_module_filter(cfg),
+                                  config=_linear_config(f8, cfg, emulate))
+    converted = [fqn for fqn, m in model.named_modules() if isinstance(m, Float8Linear)]
+    log(f"float8 {cfg.recipe}: {len(converted)} linears converted, {len(skipped)} kept in bf16"
+        + "".join(f"\n  bf16: {fqn} ({why})" for fqn, why in skipped.items()))
+    experts = [fqn for fqn, m in model.named_modules() if isinstance(m, GroupedExperts)]
+    if experts:
+        log(f"float8: {len(experts)} MoDE expert groups stay in bf16 (torchao 0.17's FP8 grouped GEMM is a "
+            f"prototype needing 16-row-aligned token groups)")
+    return converted
+
+
+def precompute_float8_scales(model_parts: list[nn.Module]) -> None:
+    """After the optimizer step: one fused amax all-reduce for every float8 weight that FSDP all-gathers
+    in float8, instead of one per weight at its next all-gather."""
+    f8 = _torchao_float8()
+    for part in model_parts:
+        f8.precompute_float8_dynamic_scale_for_fsdp(part)
+
+
+def float8_tp_styles(enabled: bool) -> tuple[type, type, type]:
+    """(colwise, rowwise, prepare_input) ParallelStyle classes for the TP plan.
+
+    Enabled (tensorwise recipe only), they are torchao's float8 styles: activations are cast to float8
+    before the sequence-parallel all-gather, halving its bytes. They accept only ``Float8Linear`` modules
+    (and a PrepareFloat8ModuleInput module needs one inside), so use them only where ``convert_to_float8``
+    converted; otherwise the plain torch styles.
+    """
+    if not enabled:
+        from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+
+        return ColwiseParallel, RowwiseParallel, PrepareModuleInput
+    _torchao_float8()
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
