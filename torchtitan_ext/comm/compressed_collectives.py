@@ -9,7 +9,7 @@ reduction in float32 after decoding, so no low-precision arithmetic happens on t
 * FSDP2 (:func:`apply_squinch_fsdp`): each rank encodes its whole unsharded gradient, an all-to-all sends
   every destination only the compressed chunk of its shard, and the destination decodes and sums the
   chunks in float32, then divides as FSDP's reduce op asks.
-* HSDP: FSDP2 (torch 2.11 to 2.13) has no extension point for the all-reduce over the replicate
+* HSDP: FSDP2 (checked in torch 2.13) has no extension point for the all-reduce over the replicate
   dimension (``set_all_reduce_hook`` runs *after* FSDP's own all-reduce, it cannot replace it), so on HSDP
   only the reduce-scatter inside each shard group is compressed; the replicate all-reduce stays
   uncompressed and is not counted in :class:`CommStats`.
@@ -20,8 +20,7 @@ accumulate as a bias over steps. A non-finite residual entry is reset to zero: t
 is skipped by the trainer's guard and must not poison later steps.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations``: DDP checks the hook's annotations against the real types.
 import logging
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -35,21 +34,15 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate
 from torch.nn.parallel import DistributedDataParallel
 
-from torchtitan_ext.comm.squinch import decode, encode
+from torchtitan_ext.comm.squinch import BLOCK, BLOCK_BYTES, decode, encode
 
-try:  # public from some torch versions on, private module before that (2.11 to 2.13)
-    from torch.distributed.fsdp import ReduceScatter as _ReduceScatter
+try:  # FSDP2's comm interface is not exported from torch.distributed.fsdp (torch 2.13)
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatter
 except ImportError:
-    try:
-        from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatter
-    except ImportError:
-        _ReduceScatter = None
+    _ReduceScatter = None
 _ReduceScatterBase = _ReduceScatter if _ReduceScatter is not None else object
 
 logger = logging.getLogger(__name__)
-
-BLOCK = 8  # values per Squinch block
-BLOCK_BYTES = 6  # bytes per encoded block
 
 
 @dataclass

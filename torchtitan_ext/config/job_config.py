@@ -40,6 +40,11 @@ class ModelSection:
     n_experts: int = opt(-1, "-1: the flavor's; 0 makes the model dense", min=-1)
     top_k: int = opt(0, "0: the flavor's; experts per token", min=0)
     moe_hidden: int = opt(0, "0: the flavor's; expert SwiGLU hidden size", min=0)
+    moe_every: int = opt(0, "0: the flavor's; MoDE on every Nth layer, dense FFNs elsewhere", min=0)
+    aux_loss_coef: float = opt(-1.0, "-1: the flavor's; Switch load-balancing loss coefficient", min=-1.0)
+    router_z_loss_coef: float = opt(-1.0, "-1: the flavor's; router z-loss coefficient", min=-1.0)
+    bias_update_rate: float = opt(-1.0, "-1: the flavor's; > 0 enables auxiliary-loss-free balancing "
+                                  "(per-expert routing bias step)", min=-1.0)
 
 
 @dataclass

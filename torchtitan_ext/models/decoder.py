@@ -98,8 +98,11 @@ class Decoder(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def init_buffers(self, device: torch.device) -> None:
-        """Recompute the RoPE tables after ``to_empty`` (buffers are not in checkpoints)."""
+        """Fill the buffers after ``to_empty``: RoPE tables, MoDE routing bias and load counters."""
         self.rope_cos, self.rope_sin = rope_tables(self.args, device)
+        for module in self.modules():
+            if isinstance(module, MoDE):
+                module.reset_buffers()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (batch, seq) -> logits (batch, seq, vocab); a middle or last pipeline stage takes the

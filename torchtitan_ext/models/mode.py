@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from torchtitan_ext.models.args import ModelArgs
 from torchtitan_ext.models.ffn import FeedForward
@@ -50,8 +51,26 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Te
     return torch.cat(outs) if outs else x.new_zeros(0, w.shape[1])
 
 
+class ScaleGrad(torch.autograd.Function):
+    """Identity whose backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts in stacked weights; input rows sorted by expert, ``counts[e]`` rows each."""
+    """E SwiGLU experts in stacked weights; input rows sorted by expert, ``counts[e]`` rows each.
+
+    ``grad_scale`` multiplies the weights' gradients: expert parallelism sets it to 1 / ep, because an
+    expert's gradient then sums the losses of all its EP peers' tokens, which data parallelism averages."""
+
+    grad_scale = 1.0
 
     def __init__(self, n_experts: int, dim: int, hidden: int):
         super().__init__()
@@ -61,11 +80,17 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         ends = counts.cumsum(0)
-        h = F.silu(grouped_mm(x, self.w1, ends)) * grouped_mm(x, self.w3, ends)
-        return grouped_mm(h, self.w2, ends)
+        # Under expert parallelism the weights are DTensors sharded by expert: compute with this rank's.
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
+        if self.grad_scale != 1.0:
+            w1, w2, w3 = (ScaleGrad.apply(w, self.grad_scale) for w in (w1, w2, w3))
+        h = F.silu(grouped_mm(x, w1, ends)) * grouped_mm(x, w3, ends)
+        return grouped_mm(h, w2, ends)
 
 
 class MoDE(nn.Module):
+    MAX_DOMAINS = 16
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_experts, self.top_k, self.renormalize = args.n_experts, args.top_k, args.renormalize_gates
@@ -78,7 +103,17 @@ class MoDE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(args.n_experts), persistent=True)
         # Routed token copies per expert since the last read (metrics, bias updates); per rank.
         self.register_buffer("load", torch.zeros(args.n_experts), persistent=False)
+        # Per-domain routed copies (the Zen report's specialisation analysis) when the caller sets
+        # ``token_domains`` (batch, seq) ids below MAX_DOMAINS before the forward pass.
+        self.register_buffer("domain_load", torch.zeros(self.MAX_DOMAINS, args.n_experts), persistent=False)
+        self.token_domains: torch.Tensor | None = None
         self.last_aux_loss = self.last_z_loss = None
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        self.expert_bias.zero_()
+        self.load.zero_()
+        self.domain_load.zero_()
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (tokens, dim) -> expert ids (tokens, k), gates (tokens, k), router logits (tokens, E) fp32."""
@@ -115,6 +150,10 @@ class MoDE(nn.Module):
             out = out + self.shared_expert(x)
         with torch.no_grad():
             self.load += counts
+            if self.token_domains is not None:
+                domain = self.token_domains.reshape(-1).clamp(max=self.MAX_DOMAINS - 1)
+                self.domain_load.index_put_((domain.repeat_interleave(self.top_k), flat),
+                                            torch.ones_like(flat, dtype=self.domain_load.dtype), accumulate=True)
         if self.training and (self.aux_coef > 0 or self.z_coef > 0):
             out = AuxLoss.apply(out, self.balancing_loss(logits, idx, counts))
         return out.reshape(shape)

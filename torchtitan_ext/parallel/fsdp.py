@@ -12,17 +12,18 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-               reshard_after_forward: bool = True, skip: set[nn.Module] | None = None) -> None:
+               reshard_after_forward: bool = True, experts_mesh: DeviceMesh | None = None) -> None:
     """Shard every transformer block, then the root (embeddings, final norm, output head).
 
-    ``mesh`` is 1-D for FSDP and 2-D (replicate, shard) for HSDP. Blocks found in ``skip`` were already
-    wrapped by another parallelism (expert parallel shards its experts on its own mesh).
+    ``mesh`` is 1-D for FSDP and 2-D (replicate, shard) for HSDP. Under expert parallelism each block's
+    experts are first sharded on their own ``experts_mesh`` (the data-parallel ranks left after EP).
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    skip = skip or set()
     for block in model.layers.values():
-        if block not in skip:
-            fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        experts = getattr(block.feed_forward, "experts", None)
+        if experts_mesh is not None and experts is not None:
+            fully_shard(experts, mesh=experts_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     # The root is used last in forward and first in backward: keeping it unsharded saves one all-gather.
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
 

@@ -34,6 +34,8 @@ def clip_grad_norm_(params: list[torch.nn.Parameter], max_norm: float,
         dist.all_reduce(total_sq, group=pp_group)
     total = total_sq.sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None], max_norm, total,
-                                             foreach=True)
+        # Scale the local shards: grads may live on different meshes (experts vs the rest).
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        local = [g.to_local() if isinstance(g, DTensor) else g for grads in groups.values() for g in grads]
+        torch._foreach_mul_(local, coef.to(local[0].dtype))
     return total

@@ -6,10 +6,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from torchtitan_ext.config.job_config import JobConfig
-from torchtitan_ext.config.loader import ConfigError
 from torchtitan_ext.parallel.activation_checkpoint import apply_activation_checkpointing
 from torchtitan_ext.parallel.compile import apply_compile
 from torchtitan_ext.parallel.dims import ParallelDims
+from torchtitan_ext.parallel.ep import apply_ep
 from torchtitan_ext.parallel.fsdp import DTYPES, apply_fsdp
 from torchtitan_ext.parallel.tp import apply_tp, enable_async_tp
 from torchtitan_ext.quant.float8 import convert_to_float8
@@ -18,14 +18,14 @@ from torchtitan_ext.quant.float8 import convert_to_float8
 def parallelize_decoder(model: nn.Module, dims: ParallelDims, cfg: JobConfig, on_gpu: bool,
                         loss_parallel: bool) -> None:
     """Apply every parallelism except pipelining (which splits the model first) to one model part."""
-    if dims.ep > 1:
-        raise ConfigError("parallelism.ep > 1 is not available in this build")
     if cfg.float8.enabled:  # before TP and FSDP: they shard the Float8Linear weights
         convert_to_float8(model, cfg.float8, log=print if dist.get_rank() == 0 else lambda msg: None)
     if dims.tp > 1:
         apply_tp(model, dims.submesh("tp"), loss_parallel)
         if cfg.parallelism.async_tp:
             enable_async_tp(dims.submesh("tp"), compiled=cfg.training.compile, on_gpu=on_gpu)
+    if dims.ep > 1:
+        apply_ep(model, dims.submesh("ep"))
     ac = cfg.activation_checkpoint
     apply_activation_checkpointing(model, ac.mode, ac.selective_every)
     if cfg.training.compile:
@@ -34,5 +34,6 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, cfg: JobConfig, on
         param_dtype = DTYPES[cfg.training.mixed_precision_param] if on_gpu else DTYPES["float32"]
         mesh = (dims.submesh("dp_replicate", "dp_shard") if dims.dp_replicate > 1
                 else dims.submesh("dp_shard"))
+        experts_mesh = dims.submesh("dp_shard_mod_ep") if dims.ep > 1 else None
         apply_fsdp(model, mesh, param_dtype, DTYPES[cfg.training.mixed_precision_reduce],
-                   reshard_after_forward=dims.pp == 1)
+                   reshard_after_forward=dims.pp == 1, experts_mesh=experts_mesh)

@@ -20,10 +20,12 @@ supported"); MoDE's dropless routing gives groups of any size, so the FP8 kernel
 inside the MoDE layer. Until torchao's API leaves the prototype namespace, ``GroupedExperts`` runs its grouped
 GEMMs in bf16 and ``convert_to_float8`` says so in its log.
 
-torchao / torch pairing: torchao 0.17.0 (the wheel carried in ``.whl/``) imports and trains float8 with
-torch 2.11 on the GPU machine (H100), and imports and converts modules with torch 2.13 (CPU, this
-project's CI). Its ``__init__`` loads its compiled kernels only for torch >= 2.11 (older torch: a warning, the
-pure-PyTorch float8 path still imports). Newer torch releases (2.14) with torchao 0.17: unknown, not tested.
+torchao / torch pairing (torchao is an optional dependency: ``pip install 'torchtitan_ext[gpu]'``):
+torchao 0.17.0 (the wheel carried in ``.whl/``) trains float8 with torch 2.11 on the GPU machine (H100), and
+imports, converts and runs emulated float8 with torch 2.13 (CPU, this project's tests); its ``__init__``
+loads its compiled kernels only for torch >= 2.11 (the float8 training path itself is Python and Triton).
+Older torchao releases were built against older torch (0.15.x against 2.9.1 / 2.10, per torchao's own
+compatibility table), below this project's torch 2.11 floor. torch 2.14 with torchao 0.17: unknown, untested.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import importlib
 import logging
 from collections.abc import Callable
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -40,9 +43,13 @@ import torch.nn as nn
 from torchtitan_ext.config.job_config import Float8Section
 from torchtitan_ext.config.loader import ConfigError
 
+if TYPE_CHECKING:
+    from torchao.float8 import Float8LinearConfig
+
 logger = logging.getLogger(__name__)
 
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9) and Hopper (9.0) onwards
+_CAP = f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}"
 INSTALL_HINT = "pip install 'torchtitan_ext[gpu]' (or: pip install torchao)"
 
 
@@ -50,8 +57,9 @@ def _torchao_float8() -> ModuleType:
     """``torchao.float8``, or a one-line ConfigError with the install command."""
     try:
         return importlib.import_module("torchao.float8")
-    except ImportError as e:
-        raise ConfigError(f"float8.enabled = true needs torchao, which cannot be imported ({e}); "
+    except Exception as e:  # not installed, or built for another torch and failing at import
+        reason = f"{type(e).__name__}: {e}".splitlines()[0]
+        raise ConfigError(f"float8.enabled = true needs torchao, which cannot be imported ({reason}); "
                           f"{INSTALL_HINT}") from None
 
 
@@ -69,14 +77,13 @@ def check_float8_supported(cfg: Float8Section, device: torch.device) -> None:
         raise ConfigError("float8.precompute_float8_dynamic_scale_for_fsdp = true has no effect without "
                           "float8.enable_fsdp_float8_all_gather = true")
     if device.type != "cuda":
-        raise ConfigError(f"float8.enabled = true needs a CUDA GPU of compute capability >= "
-                          f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} (H100, L40S, RTX 4090 ...); this job runs on "
-                          f"{device.type}")
+        raise ConfigError(f"float8.enabled = true needs a CUDA GPU of compute capability >= {_CAP} (H100, "
+                          f"L40S, RTX 4090 ...); this job runs on {device.type}")
     capability = torch.cuda.get_device_capability(device)
     if tuple(capability) < MIN_CAPABILITY:
-        raise ConfigError(f"float8.enabled = true needs compute capability >= {MIN_CAPABILITY[0]}."
-                          f"{MIN_CAPABILITY[1]}; {torch.cuda.get_device_name(device)} has {capability[0]}."
-                          f"{capability[1]} (no FP8 tensor cores)")
+        raise ConfigError(f"float8.enabled = true needs compute capability >= {_CAP}; "
+                          f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]} (no FP8 "
+                          f"tensor cores)")
     _torchao_float8()
 
 
@@ -103,7 +110,7 @@ def float8_module_filter(cfg: Float8Section) -> Callable[[nn.Module, str], bool]
     return keep
 
 
-def _linear_config(f8: ModuleType, cfg: Float8Section, emulate: bool):
+def _linear_config(f8: ModuleType, cfg: Float8Section, emulate: bool) -> Float8LinearConfig:
     """The Float8LinearConfig of ``cfg.recipe``; ``emulate`` runs the FP8 GEMMs in high precision (tests)."""
     if cfg.recipe == "tensorwise":
         return f8.Float8LinearConfig(enable_fsdp_float8_all_gather=cfg.enable_fsdp_float8_all_gather,

@@ -23,9 +23,11 @@ from torchtitan_ext.metrics.logger import MetricsLogger, flops_per_token, peak_f
 from torchtitan_ext.models.args import ModelArgs
 from torchtitan_ext.models.decoder import Decoder
 from torchtitan_ext.models.flavors import get_flavor
+from torchtitan_ext.models.mode import AuxLoss
 from torchtitan_ext.models.param_count import count_params
 from torchtitan_ext.ops.attention_backend import attention_backend
 from torchtitan_ext.parallel.dims import ParallelDims
+from torchtitan_ext.parallel.ep import check_ep
 from torchtitan_ext.parallel.fsdp import apply_ddp
 from torchtitan_ext.parallel.grad_norm import clip_grad_norm_
 from torchtitan_ext.parallel.init import materialize_and_init
@@ -35,6 +37,7 @@ from torchtitan_ext.parallel.tp import check_tp
 from torchtitan_ext.quant.float8 import check_float8_supported, precompute_float8_scales
 from torchtitan_ext.train.losses import cross_entropy_loss
 from torchtitan_ext.train.lr_schedule import lr_multiplier
+from torchtitan_ext.train.moe_balance import balance_experts, set_token_domains
 from torchtitan_ext.train.optim import Optimizers
 from torchtitan_ext.train.spike_guard import SpikeGuard
 
@@ -64,9 +67,10 @@ def resolve_model_args(cfg: JobConfig, tokenizer_vocab: int) -> ModelArgs:
     args = get_flavor(cfg.model.flavor)
     overrides = {k: getattr(cfg.model, k) for k in
                  ("vocab_size", "n_layers", "dim", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len",
-                  "top_k", "moe_hidden") if getattr(cfg.model, k) > 0}
-    if cfg.model.n_experts >= 0:
-        overrides["n_experts"] = cfg.model.n_experts
+                  "top_k", "moe_hidden", "moe_every") if getattr(cfg.model, k) > 0}
+    for k in ("n_experts", "aux_loss_coef", "router_z_loss_coef", "bias_update_rate"):
+        if getattr(cfg.model, k) >= 0:
+            overrides[k] = getattr(cfg.model, k)
     if not overrides.get("vocab_size") and not args.vocab_size:
         if not tokenizer_vocab:
             raise ConfigError("data.tokenizer = 'none' needs model.vocab_size (for example 50304 for "
@@ -133,11 +137,13 @@ class Trainer:
                  f"({counts['active']:,} active per token, {counts['embedding']:,} embedding)")
         plan = model.init_plan()
         self.loss_parallel = dims.tp > 1 and dims.pp == 1  # a last pipeline stage gathers its logits
-        if dims.tp > 1:
-            try:
+        try:
+            if dims.tp > 1:
                 check_tp(margs, dims.tp)
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
+            if dims.ep > 1:
+                check_ep(margs.n_experts, dims.ep)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         self.pp_schedule = None
         if dims.pp > 1:
             p = cfg.parallelism
@@ -163,12 +169,15 @@ class Trainer:
                 self.pp_microbatches, self._pipeline_loss)
         if dims.ddp_enabled:
             self.model_parts = [apply_ddp(m, dims.submesh("dp")) for m in self.model_parts]
+        AuxLoss.scale = 1.0 / self.accum_steps  # balancing losses scale like the main loss
+        self.has_moe = margs.n_experts > 0
         self.use_autocast = self.device.type == "cuda" and not dims.fsdp_enabled and \
             cfg.training.mixed_precision_param == "bfloat16"
 
         # Compiled, the loss fuses the float32 upcast of the logits into the cross-entropy kernels.
         compile_loss = cfg.training.compile and not self.loss_parallel
         self.loss_fn = torch.compile(cross_entropy_loss) if compile_loss else cross_entropy_loss
+        self.dp_group = dims.submesh("dp").get_group() if dims.dp > 1 else None
         self.optimizers = Optimizers(self.model_parts, cfg.optimizer)
         self.spike_guard = SpikeGuard(t.spike_factor, t.spike_window, t.spike_lr_scale, t.spike_guard)
         self.step = 0
@@ -248,6 +257,8 @@ class Trainer:
         for micro in range(self.accum_steps):
             batch = self.loader.next_batch()
             inputs, labels = batch.inputs.to(self.device), batch.labels.to(self.device)
+            if self.has_moe and self.pp_schedule is None:
+                set_token_domains(self.model_parts, batch.domains[:, None].expand_as(batch.inputs).to(self.device))
             loss_sum += self.forward_backward(inputs, labels, micro == self.accum_steps - 1)
         params = [p for m in self.model_parts for p in m.parameters()]
         pp_group = self.dims.submesh("pp").get_group() if self.dims.pp > 1 else None
@@ -299,6 +310,8 @@ class Trainer:
             self.step += 1
             loss, grad_norm, lr = self.train_step()
             window_steps += 1
+            log_now = self.step % cfg.metrics.log_freq == 0 or self.step == t.steps
+            moe_metrics = balance_experts(self.model_parts, self.dp_group, report=log_now) if self.has_moe else {}
             if not math.isfinite(loss):
                 raise TrainingDiverged(
                     f"step {self.step}: loss is {loss}; stopping without saving (the latest checkpoint in "
@@ -306,7 +319,7 @@ class Trainer:
             if self.spike_guard.observe(loss):
                 self.log(f"step {self.step}: loss spike {loss:.4f}; LR x {t.spike_lr_scale} for "
                          f"{t.spike_window} steps")
-            if self.step % cfg.metrics.log_freq == 0 or self.step == t.steps:
+            if log_now:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize()
                 elapsed = time.perf_counter() - window_start
@@ -319,6 +332,7 @@ class Trainer:
                 if self.device.type == "cuda":
                     values["memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
                     values["memory_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+                values.update(moe_metrics)
                 if cfg.eval.interval and self.step % cfg.eval.interval == 0:
                     values["val_loss"] = self.evaluate()
                 self.metrics.log(self.step, {k: v for k, v in values.items() if v is not None})

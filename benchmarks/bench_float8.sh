@@ -1,0 +1,145 @@
+#!/usr/bin/env bash
+# One H100: the trainer on a llama3_8b-shaped model with fewer layers, compiled, in bf16 and with torchao
+# float8 tensorwise and rowwise. Phase 1: 30-step throughput runs. Phase 2 (when the time budget allows):
+# 300 steps of each on the same data (same seed) for the loss. Prints a table and writes summary.json.
+#
+# Usage from the repository root:  benchmarks/bench_float8.sh [--smoke] [OUT_DIR]
+#   env: LAYERS (4) SEQ (4096) BATCH (2) LOSS_STEPS (300) BUDGET_S (480: phase 2 runs only if its
+#        predicted time fits what is left) PYTHON (python3)
+#   --smoke: the debug flavor on CPU in a minute, to check the script; the float8 runs must then be
+#            refused with the one-line error (no FP8 on CPU), which the table shows.
+# torchao comes from the wheel carried in .whl/ (the GPU machine has no package index).
+set -uo pipefail
+SMOKE=0
+if [[ "${1:-}" == "--smoke" ]]; then SMOKE=1; shift; fi
+OUT="${1:-${OUT:-/tmp/bench_float8}}"
+PY="${PYTHON:-python3}"
+START=$SECONDS
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+
+shopt -s nullglob
+WHEELS=(.whl/torchao-*.whl)
+if (( ${#WHEELS[@]} )); then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${WHEELS[@]}" \
+        || { echo "bench_float8: installing ${WHEELS[*]} failed"; exit 1; }
+    export PYTHONPATH=/tmp/site:$PYTHONPATH
+elif (( ! SMOKE )); then
+    echo "bench_float8: no torchao wheel in .whl/ (expected"
+    echo "  .whl/torchao-0.17.0-cp310-abi3-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl); carry it to the"
+    echo "  GPU machine, or pip install torchao where a package index is reachable"
+    exit 1
+fi
+"$PY" -c "import torch, torchao; print(f'torch {torch.__version__}, torchao {torchao.__version__}')" 2>&1 \
+    | grep -v "Failed to load" || { (( SMOKE )) || exit 1; }
+
+if (( SMOKE )); then
+    SHAPE=(--model.flavor debug --training.seq_len 128 --training.local_batch_size 4 --job.device cpu
+           --training.compile false --data.tokenizer byte)
+    STEPS1=6; LOSS_STEPS=${LOSS_STEPS:-12}; BUDGET_S=${BUDGET_S:-600}
+else
+    SHAPE=(--model.n_layers "${LAYERS:-4}" --training.seq_len "${SEQ:-4096}"
+           --training.local_batch_size "${BATCH:-2}")
+    STEPS1=30; LOSS_STEPS=${LOSS_STEPS:-300}; BUDGET_S=${BUDGET_S:-480}
+fi
+VARIANTS=(bf16 tensorwise rowwise)
+flags() {  # the float8 overrides of a variant
+    case $1 in
+        bf16) echo "--float8.enabled false" ;;
+        *) echo "--float8.enabled true --float8.recipe $1" ;;
+    esac
+}
+run() {  # run NAME STEPS VARIANT: one trainer job; its wall time goes to NAME.seconds
+    local name=$1 steps=$2 variant=$3 t0=$SECONDS
+    # shellcheck disable=SC2046
+    "$PY" -m torchtitan_ext.train --config train_configs/llama3_8b_float8.toml \
+        --job.dump_folder "$OUT/$name" "${SHAPE[@]}" --training.steps "$steps" \
+        --lr_scheduler.warmup_steps $(( steps / 10 )) $(flags "$variant") > "$OUT/$name.log" 2>&1 \
+        || { echo "run $name failed:"; grep -v "Failed to load" "$OUT/$name.log" | tail -n 5; }
+    echo $(( SECONDS - t0 )) > "$OUT/$name.seconds"
+}
+
+rm -rf "${VARIANTS[@]/#/$OUT/tp_}" "${VARIANTS[@]/#/$OUT/loss_}"
+for v in "${VARIANTS[@]}"; do run "tp_$v" "$STEPS1" "$v"; done
+
+# Phase 2 if it fits: each run's startup (wall time minus its steps) plus LOSS_STEPS at its measured speed.
+PLAN=$("$PY" - "$OUT" "$STEPS1" "$LOSS_STEPS" "${VARIANTS[@]}" <<'EOF'
+import json, statistics, sys
+from pathlib import Path
+out, steps1, steps2, variants = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
+total = 0.0
+for v in variants:
+    wall = float((out / f"tp_{v}.seconds").read_text())
+    rows = [json.loads(x) for x in (out / f"tp_{v}" / "metrics.jsonl").read_text().splitlines()] \
+        if (out / f"tp_{v}" / "metrics.jsonl").exists() else []
+    if not rows:
+        continue  # refused or failed: phase 2 skips it
+    # seconds per step from the logged tokens/s: tokens per step = batch x seq, read from the run's config
+    cfg = (out / f"tp_{v}" / "config.toml").read_text()
+    get = lambda key: int(next(l.split("=")[1] for l in cfg.splitlines() if l.strip().startswith(key + " ")))
+    tokens = get("local_batch_size") * get("seq_len")
+    tps = statistics.median(r["tokens_per_sec"] for r in rows[1:] or rows)
+    step_s = tokens / tps
+    total += max(wall - steps1 * step_s, 0) + steps2 * step_s
+print(round(total))
+EOF
+)
+LEFT=$(( BUDGET_S - (SECONDS - START) ))
+if [[ -n "$PLAN" ]] && (( PLAN <= LEFT )); then
+    echo "phase 2: ${LOSS_STEPS}-step loss runs, predicted ${PLAN}s of ${LEFT}s left"
+    for v in "${VARIANTS[@]}"; do  # a variant refused or failed in phase 1 would fail the same way
+        [[ -s "$OUT/tp_$v/metrics.jsonl" ]] && run "loss_$v" "$LOSS_STEPS" "$v"
+    done
+else
+    echo "phase 2 skipped: predicted ${PLAN:-?}s, ${LEFT}s left of BUDGET_S=$BUDGET_S"
+fi
+
+"$PY" - "$OUT" "${VARIANTS[@]}" <<'EOF'
+import json, statistics, sys
+from pathlib import Path
+out, variants = Path(sys.argv[1]), sys.argv[2:]
+
+def read(folder: Path) -> list[dict]:
+    path = folder / "metrics.jsonl"
+    return [r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r] if path.exists() else []
+
+def refusal(log: Path) -> str:
+    text = log.read_text() if log.exists() else ""
+    lines = [x for x in text.splitlines() if x.strip() and "Failed to load" not in x]
+    return lines[-1][:160] if lines else "no output"
+
+summary = {}
+for v in variants:
+    row = {}
+    tp = read(out / f"tp_{v}")
+    if tp:
+        steady = tp[2:] or tp  # the first windows hold compilation and warm-up
+        row["tokens_per_sec"] = round(statistics.median(r["tokens_per_sec"] for r in steady))
+        if "mfu" in steady[0]:
+            row["mfu"] = round(statistics.median(r["mfu"] for r in steady), 4)
+        if "memory_gib" in tp[-1]:
+            row["peak_memory_gib"] = round(max(r["memory_gib"] for r in tp), 2)
+    else:
+        row["error"] = refusal(out / f"tp_{v}.log")
+    loss = read(out / f"loss_{v}")
+    if loss:
+        tail = [r["loss"] for r in loss if r["step"] > loss[-1]["step"] - 50]
+        row.update(loss_steps=loss[-1]["step"], final_loss=round(loss[-1]["loss"], 4),
+                   mean_loss_last_50=round(statistics.mean(tail), 4))
+    summary[v] = row
+base = summary.get("bf16", {})
+for v, row in summary.items():
+    if "tokens_per_sec" in row and "tokens_per_sec" in base:
+        row["speedup_vs_bf16"] = round(row["tokens_per_sec"] / base["tokens_per_sec"], 3)
+    if "mean_loss_last_50" in row and "mean_loss_last_50" in base:
+        row["loss_vs_bf16_pct"] = round(100 * (row["mean_loss_last_50"] / base["mean_loss_last_50"] - 1), 2)
+cols = ["tokens_per_sec", "speedup_vs_bf16", "mfu", "peak_memory_gib", "final_loss", "mean_loss_last_50",
+        "loss_vs_bf16_pct"]
+print(f"{'run':<11}" + "".join(f"{c:>19}" for c in cols))
+for v, row in summary.items():
+    cells = "".join(f"{row.get(c, '-')!s:>19}" for c in cols)
+    print(f"{v:<11}{cells}" + (f"  {row['error']}" if "error" in row else ""))
+(out / "summary.json").write_text(json.dumps(summary, indent=1))
+print(json.dumps(summary))
+EOF
+echo "total ${SECONDS}s; logs and metrics in $OUT"

@@ -1,0 +1,67 @@
+"""Expert parallelism: each MoDE layer's experts are split over the ``ep`` mesh (DTensor ``Shard(0)`` on
+the expert dimension); tokens travel to the rank holding their expert and back by all-to-all.
+
+Dispatch: the MoDE layer hands its expert-sorted token copies and per-expert counts to ``GroupedExperts``;
+the counts are exchanged first (so each rank knows how many rows it will receive from each peer for each
+of its experts), then the rows, which arrive ordered by (source rank, local expert) and are re-sorted by
+local expert for the grouped GEMM. Combine reverses both steps. The all-to-alls are differentiable, so
+gradients flow back to the router and to the tokens' ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+
+from torchtitan_ext.models.mode import GroupedExperts, MoDE
+
+
+def _shard_experts(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    for pname, param in list(module.named_parameters(recurse=False)):
+        module.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)])))
+
+
+def _dispatch(module: GroupedExperts, inputs: tuple, mesh: DeviceMesh) -> tuple[torch.Tensor, torch.Tensor]:
+    x, counts = inputs
+    ep, group = mesh.size(), mesh.get_group()
+    n_local = counts.numel() // ep
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=group)  # [source rank, local expert] row counts
+    received = received.view(ep, n_local)
+    send_splits = counts.view(ep, n_local).sum(dim=1).tolist()
+    recv_splits = received.sum(dim=1).tolist()
+    x = all_to_all_single_autograd(x, recv_splits, send_splits, group)
+    block = torch.repeat_interleave(torch.arange(ep * n_local, device=x.device), received.flatten())
+    order = (block % n_local).argsort(stable=True)  # (source, expert) -> (expert, source)
+    module._ep_route = (order, send_splits, recv_splits)
+    return x[order], received.sum(dim=0)
+
+
+def _combine(module: GroupedExperts, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    order, send_splits, recv_splits = module._ep_route
+    module._ep_route = None
+    unsorted = out[order.argsort()]
+    return all_to_all_single_autograd(unsorted, send_splits, recv_splits, mesh.get_group())
+
+
+def check_ep(n_experts: int, ep: int) -> None:
+    if n_experts == 0:
+        raise ValueError(f"parallelism.ep = {ep} needs a MoDE model (model.n_experts > 0)")
+    if n_experts % ep:
+        raise ValueError(f"parallelism.ep = {ep} does not divide model.n_experts = {n_experts}")
+
+
+def apply_ep(model: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
+    """Shard every MoDE layer's experts over ``mesh``; returns the expert modules (FSDP wraps them apart)."""
+    experts = []
+    for block in model.layers.values():
+        if isinstance(block.feed_forward, MoDE):
+            module = block.feed_forward.experts
+            distribute_module(module, mesh, _shard_experts, _dispatch, _combine)
+            module.grad_scale = 1.0 / mesh.size()
+            experts.append(module)
+    return experts

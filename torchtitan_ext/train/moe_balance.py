@@ -1,0 +1,61 @@
+"""Expert load across data-parallel ranks: the auxiliary-loss-free bias update and the load metrics."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from torchtitan_ext.models.mode import MoDE
+
+
+def mode_layers(parts: list[nn.Module]) -> list[tuple[str, MoDE]]:
+    from torchtitan_ext.parallel.compile import clean_fqn
+
+    return [(clean_fqn(name).removesuffix(".feed_forward"), m) for part in parts
+            for name, m in part.named_modules() if isinstance(m, MoDE)]
+
+
+def set_token_domains(parts: list[nn.Module], domains: torch.Tensor | None) -> None:
+    for _, layer in mode_layers(parts):
+        layer.token_domains = domains
+
+
+@torch.no_grad()
+def balance_experts(parts: list[nn.Module], group: dist.ProcessGroup | None, report: bool) -> dict[str, float]:
+    """Sum each MoDE layer's routed load over the data-parallel ``group``, step the routing bias of layers
+    that use auxiliary-loss-free balancing, and (when ``report``) return the metrics:
+    ``moe/<layer>/imbalance`` (max / mean tokens per expert), the mean aux and z losses, and per-domain
+    expert usage. Loads are reset; without bias updates they accumulate until the next report."""
+    metrics: dict[str, float] = {}
+    layers = mode_layers(parts)
+    aux, z = [], []
+    for name, layer in layers:
+        if not (report or layer.bias_update_rate > 0):
+            continue
+        load = layer.load.clone()
+        if group is not None:
+            dist.all_reduce(load, group=group)
+        if layer.bias_update_rate > 0:
+            layer.update_bias(load)
+        layer.load.zero_()
+        if not report:
+            continue
+        metrics[f"moe/{name}/imbalance"] = (load.max() / load.mean().clamp(min=1)).item()
+        metrics[f"moe/{name}/min_share"] = (load.min() / load.sum().clamp(min=1)).item()
+        if layer.last_aux_loss is not None:
+            aux.append(layer.last_aux_loss)
+            z.append(layer.last_z_loss)
+        domain_load = layer.domain_load.clone()
+        if group is not None:
+            dist.all_reduce(domain_load, group=group)
+        layer.domain_load.zero_()
+        for d in torch.nonzero(domain_load.sum(dim=1)).flatten().tolist():
+            share = domain_load[d] / domain_load[d].sum()
+            metrics[f"moe/{name}/domain{d}_top_expert_share"] = share.max().item()
+            metrics[f"moe/{name}/domain{d}_top_expert"] = float(share.argmax())
+    if aux:
+        metrics["moe/aux_loss"] = torch.stack(aux).mean().item()
+        metrics["moe/router_z_loss"] = torch.stack(z).mean().item()
+    return metrics
+
