@@ -12,11 +12,13 @@ import shutil
 
 import pytest
 import torch
-from trainer_utils import losses, read_metrics, run_trainer
+from trainer_utils import REPO, losses, read_metrics, run_trainer
 
 from torchtitan_ext.models.args import ModelArgs
 from torchtitan_ext.models.decoder import fill_param_
+from torchtitan_ext.models.flavors import FLAVORS
 from torchtitan_ext.models.mode import MoDE
+from torchtitan_ext.models.param_count import count_params
 
 RTOL = 1e-5
 MODE = ["--model.flavor", "mode_debug", "--training.steps", "5"]
@@ -47,7 +49,11 @@ def test_checkpoint_saved_at_ep2_loads_at_ep1(tmp_path):
     ckpt = ["--training.steps", "8", "--checkpoint.enabled", "true", "--checkpoint.interval", "4",
             "--checkpoint.keep_latest_k", "0", "--training.local_batch_size", "2"]
     src = tmp_path / "ep2"
-    run_trainer(src, 2, *MODE[:2], *ckpt, "--parallelism.ep", "2")
+    proc = run_trainer(src, 2, *MODE[:2], *ckpt, "--parallelism.ep", "2")
+    # The start-up line gives total and active parameters (byte tokenizer: 257 ids, padded to 320).
+    counts = count_params(dataclasses.replace(FLAVORS["mode_debug"], vocab_size=320))
+    assert (f"model mode_debug: {counts['total']:,} parameters ({counts['active']:,} active per token"
+            in proc.stdout), proc.stdout[:2000]
     dest = tmp_path / "ep1"
     shutil.copytree(src / "checkpoint" / "step-4", dest / "checkpoint" / "step-4")
     run_trainer(dest, 2, *MODE[:2], *ckpt)
@@ -55,6 +61,18 @@ def test_checkpoint_saved_at_ep2_loads_at_ep1(tmp_path):
     assert sorted(got) == [5, 6, 7, 8]
     for step in got:
         assert got[step] == pytest.approx(ref[step], rel=RTOL)
+
+
+@pytest.mark.xfail(strict=True, reason="parallelize.py FSDP-shards experts on the 1-D dp_shard_mod_ep mesh, so "
+                   "under HSDP their gradients are never reduced over dp_replicate; the 2-D mesh "
+                   "('dp_replicate', 'dp_shard_mod_ep') fixes it")
+def test_expert_parallel_under_hsdp_matches_ep1(tmp_path):
+    hsdp = [*MODE, "--training.local_batch_size", "1", "--parallelism.dp_replicate", "2"]
+    run_trainer(tmp_path / "ep1", 4, *hsdp)
+    run_trainer(tmp_path / "ep2", 4, *hsdp, "--parallelism.ep", "2")
+    ref, got = losses(tmp_path / "ep1"), losses(tmp_path / "ep2")
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], rel=RTOL), step
 
 
 def _skewed_layer(**overrides) -> tuple[MoDE, torch.Tensor]:
@@ -90,10 +108,12 @@ def test_aux_loss_reduces_imbalance():
 
 
 def test_aux_free_bias_reduces_imbalance_without_gradients():
-    layer, x = _skewed_layer(aux_loss_coef=0.0, router_z_loss_coef=0.0, bias_update_rate=0.01)
+    # A sign step must stay below the spread of the scores it shifts: at 0.01 (for probabilities ~0.1 that
+    # differ by ~0.01 between tokens) whole groups of tokens flip together and the load cycles around 2.5-3.5x.
+    layer, x = _skewed_layer(aux_loss_coef=0.0, router_z_loss_coef=0.0, bias_update_rate=0.001)
     before = _imbalance(layer, x)
     weights = layer.router.weight.clone()
-    for _ in range(100):
+    for _ in range(300):
         idx = layer.route(x)[0]
         layer.update_bias(torch.bincount(idx.flatten(), minlength=8).float())
     after = _imbalance(layer, x)
@@ -107,3 +127,181 @@ def test_aux_loss_gradient_reaches_the_router_through_the_layer():
     out = layer(x[None])
     (out * 0).sum().backward()  # the main loss contributes nothing: only the balancing loss is left
     assert layer.router.weight.grad is not None and layer.router.weight.grad.abs().sum() > 0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Gradients of the permutation path, integer load counters, one-graph compile
+
+
+def _filled_layer(args: ModelArgs, seed: int = 1) -> MoDE:
+    layer = MoDE(args).double()
+    for name, p in layer.named_parameters():
+        fill_param_(name, p.data, "normal", 0.3, seed=seed)
+    return layer
+
+
+@pytest.mark.parametrize("top_k, renormalize", [(1, False), (2, True), (3, True)])
+def test_mode_gradients_match_per_token_reference(top_k, renormalize):
+    """Input, expert and router gradients through the sort / dispatch / gate-weighted combine equal those of
+    a plain per-token loop over each token's k experts (float64)."""
+    args = ModelArgs(vocab_size=8, dim=16, n_heads=2, n_experts=5, top_k=top_k, moe_hidden=12,
+                     renormalize_gates=renormalize, aux_loss_coef=0.0, router_z_loss_coef=0.0)
+    layer = _filled_layer(args)
+    ref = _filled_layer(args)
+    x = torch.randn(3, 11, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    g = torch.randn_like(x)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    (layer(xa) * g).sum().backward()
+
+    flat = xb.reshape(-1, 16)
+    probs = (flat @ ref.router.weight.t()).softmax(-1)
+    idx = probs.detach().topk(top_k, dim=-1).indices
+    gates = probs.gather(1, idx)
+    if renormalize:
+        gates = gates / gates.sum(-1, keepdim=True)
+    e = ref.experts
+    rows = []
+    for t in range(flat.shape[0]):
+        rows.append(sum(gates[t, j] * ((torch.nn.functional.silu(flat[t] @ e.w1[i].t()) * (flat[t] @ e.w3[i].t()))
+                                       @ e.w2[i].t()) for j, i in enumerate(idx[t].tolist())))
+    (torch.stack(rows).reshape(x.shape) * g).sum().backward()
+    # The router runs in float32 (MoDE.route), the reference in float64.
+    torch.testing.assert_close(xa.grad, xb.grad, atol=1e-5, rtol=1e-5)
+    for name in ("w1", "w2", "w3"):
+        torch.testing.assert_close(getattr(layer.experts, name).grad, getattr(e, name).grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(layer.router.weight.grad, ref.router.weight.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_load_counters_stay_exact_integers_in_bf16_models():
+    args = ModelArgs(vocab_size=8, dim=16, n_heads=2, n_experts=4, top_k=2, moe_hidden=8)
+    layer = MoDE(args)
+    for name, p in layer.named_parameters():
+        fill_param_(name, p.data, "normal", 0.3, seed=0)
+    layer = layer.to(torch.bfloat16)
+    layer.token_domains = torch.zeros(1, dtype=torch.long)  # one domain id per sequence
+    with torch.no_grad():
+        for _ in range(3):
+            layer(torch.randn(1, 1000, 16, dtype=torch.bfloat16))
+    assert layer.load.dtype == layer.domain_load.dtype == torch.long
+    assert int(layer.load.sum()) == int(layer.domain_load[0].sum()) == 3 * 1000 * 2  # bf16 would stop at 256s
+
+
+def _masked_grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """grouped_mm without host syncs (every group's GEMM on every row, masked): what the CUDA path's
+    single torch._grouped_mm call looks like to the compiler."""
+    row = torch.arange(x.shape[0], device=x.device)[:, None]
+    starts = ends - torch.diff(ends, prepend=ends.new_zeros(1))
+    out = x.new_zeros(x.shape[0], w.shape[1])
+    for g in range(w.shape[0]):
+        out = out + (x @ w[g].t()) * ((row >= starts[g]) & (row < ends[g])).to(x.dtype)
+    return out
+
+
+def test_mode_layer_compiles_to_one_graph(monkeypatch):
+    """No graph break in the layer (the trainer compiles blocks with fullgraph=True): routing counts with a
+    static shape, the balancing-loss scale read outside autograd.Function. Inductor is not needed for that
+    (aot_eager); the grouped GEMM is stood in for by a sync-free masked version, as on CUDA."""
+    import torchtitan_ext.models.mode as mode
+
+    monkeypatch.setattr(mode, "grouped_mm", _masked_grouped_mm)
+    monkeypatch.setattr(mode.AuxLoss, "scale", 0.5)
+    torch._dynamo.reset()
+    args = ModelArgs(vocab_size=8, dim=16, n_heads=2, n_experts=4, top_k=2, moe_hidden=8,
+                     aux_loss_coef=0.1, router_z_loss_coef=0.01)
+    eager, compiled = _filled_layer(args).float().train(), _filled_layer(args).float().train()
+    x = torch.randn(2, 20, 16, generator=torch.Generator().manual_seed(0))
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    eager(xa).square().sum().backward()
+    torch.compile(compiled, fullgraph=True, backend="aot_eager")(xb).square().sum().backward()
+    torch.testing.assert_close(xb.grad, xa.grad)
+    torch.testing.assert_close(compiled.router.weight.grad, eager.router.weight.grad)
+    torch.testing.assert_close(compiled.experts.w2.grad, eager.experts.w2.grad)
+    assert torch.equal(compiled.load, eager.load)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Shipped MoDE jobs: valid layouts at the world sizes their comments name, and memory that fits an H100
+
+# config file -> [(world size, extra overrides)]; every train_configs/mode_*.toml must be listed.
+MODE_JOBS = {
+    "mode_debug.toml": [(2, [])],
+    "mode_235b.toml": [(256, [])],
+    "mode_480b.toml": [(512, []), (1024, ["--training.global_batch_size", "4096"])],
+}
+H100_GIB = 80
+
+
+def _stage_memory_gib(cfg, args: ModelArgs, dims) -> list[float]:
+    """Per pipeline rank: 16 B per parameter split over dp_shard (fp32 weights, gradients, 2 AdamW moments;
+    experts are split over ep, then FSDP over dp_shard / ep: dp_shard ways in all) + full-recompute block
+    inputs of the micro-batch chunks in flight before the first backward + the last stage's logits (bf16,
+    fp32 and gradients: ~10 B each). The figures the configs' comments quote."""
+    from torchtitan_ext.models.decoder import Decoder
+    from torchtitan_ext.parallel.pp import layer_ranges, stage_ids
+
+    p, t = cfg.parallelism, cfg.training
+    with torch.device("meta"):
+        one_layer = Decoder(dataclasses.replace(args, n_layers=1))
+    per_layer = sum(x.numel() for x in one_layer.layers["0"].parameters())
+    embedding, head = args.vocab_size * args.dim, args.vocab_size * args.dim + args.dim
+    virtual = p.pp_virtual_stages if dims.pp > 1 else 1
+    n_stages = dims.pp * virtual
+    ranges = layer_ranges(args.n_layers, n_stages, p.pp_split_points)
+    micro = (p.pp_microbatches or n_stages) if dims.pp > 1 else 1
+    seqs = t.local_batch_size // micro
+    out = []
+    for rank in range(dims.pp):
+        stages = stage_ids(rank, dims.pp, virtual, p.pp_schedule) if dims.pp > 1 else [0]
+        layers = sum(len(ranges[s]) for s in stages)
+        params = layers * per_layer + (embedding if 0 in stages else 0) + (head if n_stages - 1 in stages else 0)
+        in_flight = min((virtual - 1) * dims.pp + 2 * (dims.pp - 1 - rank), micro * virtual) + 1
+        chunk = max(len(ranges[s]) for s in stages)
+        acts = in_flight * chunk * seqs * t.seq_len * args.dim * 2
+        logits = seqs * t.seq_len * args.vocab_size * 10 if n_stages - 1 in stages else 0
+        out.append((16 * params / dims.dp_shard + acts + logits) / 2**30)
+    return out
+
+
+def test_every_mode_config_has_a_world_size():
+    shipped = {p.name for p in (REPO / "train_configs").glob("mode_*.toml")}
+    assert shipped == set(MODE_JOBS), "list each shipped MoDE job's intended world size in MODE_JOBS"
+
+
+@pytest.mark.parametrize("name, world, extra", [(n, w, e) for n, jobs in MODE_JOBS.items() for w, e in jobs])
+def test_mode_config_layout_is_valid_at_its_world_size(name, world, extra):
+    """ParallelDims accepts the layout; ep divides the experts and dp_shard, tp the heads, the pipeline
+    stages the layers; the schedule, micro-batches and global batch fit; per-GPU memory fits an H100."""
+    from torchtitan_ext.config.loader import parse_args
+    from torchtitan_ext.parallel.dims import ParallelDims
+    from torchtitan_ext.parallel.ep import check_ep
+    from torchtitan_ext.parallel.pp import check_schedule, layer_ranges
+    from torchtitan_ext.parallel.tp import check_tp
+    from torchtitan_ext.train.trainer import resolve_model_args
+
+    cfg = parse_args(["--config", str(REPO / "train_configs" / name), *extra])
+    p, t = cfg.parallelism, cfg.training
+    dims = ParallelDims.from_config(p, world)  # raises ParallelDimsError on a bad product or ep
+    args = resolve_model_args(cfg, cfg.data.tokenizer_vocab_size if cfg.data.tokenizer == "builtin" else 0)
+    assert args.n_experts > 0 and dims.ep > 1, "a MoDE job with expert parallelism"
+    check_ep(args.n_experts, dims.ep)
+    assert args.n_experts % dims.ep == 0 and dims.dp_shard % dims.ep == 0
+    # Expert weights are only FSDP-sharded over dp_shard / ep; under HSDP they would miss the reduction over
+    # dp_replicate (parallelize.py passes a 1-D experts mesh), so the shipped jobs keep dp_replicate = 1.
+    assert dims.dp_replicate == 1
+    assert args.n_heads % dims.tp == 0 and args.kv_heads % dims.tp == 0
+    if dims.tp > 1:
+        check_tp(args, dims.tp)
+    if dims.pp > 1:
+        n_stages = dims.pp * p.pp_virtual_stages
+        ranges = layer_ranges(args.n_layers, n_stages, p.pp_split_points)
+        assert len(ranges) == n_stages and all(len(r) > 0 for r in ranges)
+        assert not args.tie_embeddings
+        check_schedule(p.pp_schedule, p.pp_virtual_stages, p.pp_microbatches or n_stages, dims.pp,
+                       t.local_batch_size)
+    per_step = t.local_batch_size * dims.dp
+    gbs = per_step if t.global_batch_size == -1 else t.global_batch_size
+    assert gbs % per_step == 0, (gbs, per_step)
+    assert t.seq_len <= args.max_seq_len
+    if world > 8:  # the cluster jobs: under 60 GiB by the estimate, leaving room for buffers and fragmentation
+        memory = _stage_memory_gib(cfg, args, dims)
+        assert max(memory) < 0.75 * H100_GIB, [round(m, 1) for m in memory]

@@ -142,3 +142,35 @@ def test_mode_is_dropless_gate_weighted_sum_of_k_experts():
                   for g, i in zip(gates[t], idx[t], strict=True))
         torch.testing.assert_close(out[t], ref, atol=2e-6, rtol=0)  # the router runs in float32
     assert int(layer.load.sum()) == 2 * flat.shape[0]
+
+
+def test_mode_active_parameters_by_hand():
+    """The Zen sizes, counted by hand: per layer attention (q, k, v, o), the two QK-norm vectors, the two
+    block norms, the router, and E SwiGLU experts of which k are active per token; plus embedding, head and
+    final norm. The trainer prints these two numbers at start ("N parameters (M active per token ...)")."""
+    def by_hand(layers, dim, heads, kv, hd, experts, k, hidden, vocab):
+        shared = dim * heads * hd * 2 + dim * kv * hd * 2 + 2 * hd + 2 * dim + dim * experts
+        expert = 3 * dim * hidden
+        rest = 2 * vocab * dim + dim
+        return layers * (shared + experts * expert) + rest, layers * (shared + k * expert) + rest
+
+    assert by_hand(94, 7168, 56, 8, 128, 128, 2, 864, 151936) == (236_853_201_408, 16_798_124_544)
+    assert by_hand(128, 8192, 64, 8, 128, 256, 2, 576, 151936) == (485_943_713_792, 25_711_124_480)
+    for name, (total, active) in {"mode_235b": (236_853_201_408, 16_798_124_544),
+                                  "mode_480b": (485_943_713_792, 25_711_124_480)}.items():
+        counts = count_params(FLAVORS[name])
+        assert (counts["total"], counts["active"]) == (total, active), name
+
+
+@pytest.mark.parametrize("overrides", [{}, {"shared_expert": True, "moe_every": 2}, {"top_k": 3}])
+def test_mode_active_count_matches_the_built_model(overrides):
+    """Active = every parameter except the expert weights, plus k / E of those; from the meta-device model."""
+    args = dataclasses.replace(FLAVORS["mode_debug"], vocab_size=512, **overrides)
+    with torch.device("meta"):
+        model = Decoder(args)
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    others = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n)
+    assert routed % args.n_experts == 0
+    counts = count_params(args)
+    assert counts["total"] == routed + others
+    assert counts["active"] == others + routed // args.n_experts * args.top_k

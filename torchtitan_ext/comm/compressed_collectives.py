@@ -9,6 +9,9 @@ reduction in float32 after decoding, so no low-precision arithmetic happens on t
 * FSDP2 (:func:`apply_squinch_fsdp`): each rank encodes its whole unsharded gradient, an all-to-all sends
   every destination only the compressed chunk of its shard, and the destination decodes and sums the
   chunks in float32, then divides as FSDP's reduce op asks.
+* Trainer wiring (:func:`apply_gradient_compression`): ``comm.gradient_compression = "squinch"`` installs
+  the FSDP2 reduce-scatter (``parallelism.dp_mode = "fsdp"``) or the DDP hook (``"ddp"``) on every model
+  part; pipeline stages are FSDP modules like any other, so PP composes with it.
 * HSDP: FSDP2 (checked in torch 2.13) has no extension point for the all-reduce over the replicate
   dimension (``set_all_reduce_hook`` runs *after* FSDP's own all-reduce, it cannot replace it), so on HSDP
   only the reduce-scatter inside each shard group is compressed; the replicate all-reduce stays
@@ -22,7 +25,7 @@ is skipped by the trainer's guard and must not poison later steps.
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations against the real types.
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -317,3 +320,43 @@ def apply_squinch_fsdp(model: nn.Module, *, min_numel: int, error_feedback: bool
     if hsdp:
         logger.warning("Squinch on HSDP: FSDP2 in torch %s has no custom all-reduce for the replicate "
                        "dimension, so that all-reduce stays uncompressed", torch.__version__)
+
+
+def apply_gradient_compression(model_parts: Sequence[nn.Module], comm, dims, stats: CommStats,
+                               log: Callable[[str], None] = print) -> bool:
+    """Install the gradient compression that ``comm`` (the ``[comm]`` config section) asks for.
+
+    ``model_parts`` are the trainer's model parts after data parallelism was applied (``fully_shard``
+    modules, or ``DistributedDataParallel`` wrappers when ``dims.ddp_enabled``); ``dims`` is the trainer's
+    ``ParallelDims``. Returns True when some gradient reduction now goes through Squinch (and counts into
+    ``stats``), False when there is nothing to compress (the reason is logged once through ``log``).
+    """
+    if comm.gradient_compression == "none":
+        return False
+    if comm.gradient_compression != "squinch":
+        raise ValueError(f"comm.gradient_compression = {comm.gradient_compression!r}: expected 'none' or 'squinch'")
+    options = {"min_numel": comm.min_numel, "error_feedback": comm.error_feedback, "stats": stats}
+    if dims.ddp_enabled:
+        group = dims.submesh("dp").get_group()
+        for part in model_parts:
+            register_squinch_ddp_hook(part, group, **options)
+        log(f"gradient compression: Squinch on the DDP all-reduce over {dims.dp} ranks "
+            f"(min_numel {comm.min_numel}, error feedback {comm.error_feedback})")
+        return True
+    if not dims.fsdp_enabled:
+        log("gradient compression: comm.gradient_compression = 'squinch' has nothing to compress "
+            "(no data-parallel degree > 1, so no gradient reduction)")
+        return False
+    if dims.dp_shard == 1:
+        # FSDP2 skips the reduce-scatter of a one-rank shard group; its replicate all-reduce has no hook.
+        log(f"gradient compression: comm.gradient_compression = 'squinch' has nothing to compress with "
+            f"parallelism.dp_shard = 1 (FSDP2's all-reduce over dp_replicate = {dims.dp_replicate} cannot be "
+            f"replaced); set parallelism.dp_mode = 'ddp' to compress it")
+        return False
+    for part in model_parts:
+        apply_squinch_fsdp(part, **options)
+    replicate = (f"; the all-reduce over dp_replicate = {dims.dp_replicate} stays uncompressed"
+                 if dims.dp_replicate > 1 else "")
+    log(f"gradient compression: Squinch on the FSDP2 reduce-scatter over dp_shard = {dims.dp_shard} ranks "
+        f"(min_numel {comm.min_numel}, error feedback {comm.error_feedback}){replicate}")
+    return True

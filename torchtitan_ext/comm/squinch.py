@@ -37,7 +37,7 @@ Special values (the published format leaves them open):
 
 Round-trip error (derived in tests/test_squinch_codec.py): for a finite block with ``q_max < 254`` or no
 saturation, ``|decode(encode(x))_i - x_i| <= 2 sqrt(S |x_i|) + S`` (times 1 + 1e-5 for float32 rounding);
-with ``maxabs < exp(1/6) max|x|`` this is at most ``0.080 * max|x|`` per block.
+with ``maxabs <= exp(1/6) max|x|`` (q_max not clipped) this is at most ``0.0738 * max|x|`` per block.
 """
 
 from __future__ import annotations

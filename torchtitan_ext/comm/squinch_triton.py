@@ -33,7 +33,9 @@ def _encode_kernel(x_ptr, out_ptr, thresholds_ptr, scales_ptr, n, n_blocks, BLOC
     x = tl.load(x_ptr + idx, mask=idx < n, other=0.0).to(tl.float32)
     mag = tl.abs(x)
     finite = tl.sum((mag <= _FLT_MAX).to(tl.int32), axis=1) == 8  # NaN fails the comparison
-    block_max = tl.where(finite, tl.max(mag, axis=1), 0.0)
+    # Non-finite blocks are encoded as zeros (then q_max = 255): no NaN/Inf reaches a float-to-int cast.
+    mag = tl.where(finite[:, None], mag, 0.0)
+    block_max = tl.max(mag, axis=1)
 
     # q_max: guess with the (approximate) log, then settle against the exact thresholds T[q0], T[q0 + 1].
     guess = 6.0 * tl.log(tl.maximum(block_max, 1e-30)) + 129.0

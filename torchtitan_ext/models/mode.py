@@ -21,20 +21,29 @@ from torchtitan_ext.models.args import ModelArgs
 from torchtitan_ext.models.ffn import FeedForward
 
 
-class AuxLoss(torch.autograd.Function):
-    """Identity on ``out``; in backward, adds d(aux)/d(router) scaled by ``AuxLoss.scale`` (the trainer
-    sets it to 1 / micro-batches so it matches the scaling of the main loss)."""
-
-    scale = 1.0
-
+class _AddAuxGrad(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
-        ctx.aux_dtype = aux.dtype
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.aux_dtype, ctx.scale = aux.dtype, scale
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad, torch.full((), AuxLoss.scale, dtype=ctx.aux_dtype, device=grad.device)
+        return grad, torch.full((), ctx.scale, dtype=ctx.aux_dtype, device=grad.device), None
+
+
+class AuxLoss:
+    """``AuxLoss.apply(out, aux)``: identity on ``out``; in backward, adds d(aux)/d(router) scaled by
+    ``AuxLoss.scale`` (the trainer sets it to 1 / micro-batches so it matches the scaling of the main loss).
+
+    A plain class holding the scale, read when the forward runs: torch.compile cannot read attributes of an
+    autograd.Function class, and traces the backward ahead of time (a changed scale recompiles)."""
+
+    scale = 1.0
+
+    @staticmethod
+    def apply(out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        return _AddAuxGrad.apply(out, aux, AuxLoss.scale)
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
@@ -49,6 +58,49 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Te
         outs.append(x[start:end] @ w[g].t())
         start = end
     return torch.cat(outs) if outs else x.new_zeros(0, w.shape[1])
+
+
+def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
+    """``inv`` with ``inv[perm[i]] = i``."""
+    return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
+
+
+class _PermuteRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inv)
+        return x[perm]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inv,) = ctx.saved_tensors
+        return grad[inv], None, None
+
+
+def permute_rows(x: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """``x[perm]`` for a permutation ``perm`` with inverse ``inv``; the backward is the gather ``grad[inv]``
+    (autograd's own backward of indexing is an accumulating scatter, which sorts and uses atomics)."""
+    return _PermuteRows.apply(x, perm, inv)
+
+
+class _DispatchCopies(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, order: torch.Tensor, inv: torch.Tensor, k: int) -> torch.Tensor:
+        ctx.save_for_backward(inv)
+        ctx.k = k
+        return x[order // k]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inv,) = ctx.saved_tensors
+        return grad[inv].view(-1, ctx.k, grad.shape[-1]).sum(dim=1), None, None, None
+
+
+def dispatch_copies(x: torch.Tensor, order: torch.Tensor, inv: torch.Tensor, k: int) -> torch.Tensor:
+    """Row ``order[i] // k`` of ``x`` (tokens, dim) for each i: the k copies of every token, sorted by expert
+    (``order`` sorts the (token, copy) pairs, ``inv`` is its inverse). The backward gathers each token's k
+    gradient rows back and sums them, with no atomics."""
+    return _DispatchCopies.apply(x, order, inv, k)
 
 
 class ScaleGrad(torch.autograd.Function):
@@ -101,11 +153,14 @@ class MoDE(nn.Module):
         self.shared_expert = FeedForward(args.dim, args.expert_hidden) if args.shared_expert else None
         # Auxiliary-loss-free balancing: added to the scores for selection only; saved in checkpoints.
         self.register_buffer("expert_bias", torch.zeros(args.n_experts), persistent=True)
-        # Routed token copies per expert since the last read (metrics, bias updates); per rank.
-        self.register_buffer("load", torch.zeros(args.n_experts), persistent=False)
+        # Routed token copies per expert since the last read (metrics, bias updates); per rank. Integers:
+        # exact at any count, and ``module.to(dtype)`` leaves them alone (a bf16 counter stops at 256).
+        self.register_buffer("load", torch.zeros(args.n_experts, dtype=torch.long), persistent=False)
         # Per-domain routed copies (the Zen report's specialisation analysis) when the caller sets
-        # ``token_domains`` (batch, seq) ids below MAX_DOMAINS before the forward pass.
-        self.register_buffer("domain_load", torch.zeros(self.MAX_DOMAINS, args.n_experts), persistent=False)
+        # ``token_domains``, one id below MAX_DOMAINS per sequence (batch,), before the forward pass; the
+        # layer may see a slice of each sequence (sequence parallel), so it expands them to its own input.
+        self.register_buffer("domain_load", torch.zeros(self.MAX_DOMAINS, args.n_experts, dtype=torch.long),
+                             persistent=False)
         self.token_domains: torch.Tensor | None = None
         self.last_aux_loss = self.last_z_loss = None
 
@@ -140,20 +195,25 @@ class MoDE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         idx, gates, logits = self.route(x)
-        flat = idx.flatten()
-        counts = torch.bincount(flat, minlength=self.n_experts)
+        flat = idx.flatten()  # copy j of token t sits at t * k + j
+        # Routed copies per expert. A scatter-add keeps the shape static (bincount's output size depends on
+        # the data, which torch.compile cannot trace in one graph).
+        counts = flat.new_zeros(self.n_experts).scatter_add_(0, flat, torch.ones_like(flat))
         order = flat.argsort(stable=True)  # token copies sorted by expert
-        token = order // self.top_k
-        y = self.experts(x[token], counts) * gates.flatten()[order].unsqueeze(-1).to(x.dtype)
-        out = torch.zeros_like(x).index_add_(0, token, y)  # the inverse permutation, summing the k copies
+        inv = inverse_permutation(order)
+        y = self.experts(dispatch_copies(x, order, inv, self.top_k), counts)
+        # Back to (token, copy) order, then the gate-weighted sum of each token's k copies: gathers and a
+        # reduction, no atomic scatter-adds (deterministic, and fast in bf16).
+        y = permute_rows(y, inv, order).view(x.shape[0], self.top_k, -1)
+        out = (y * gates.unsqueeze(-1).to(y.dtype)).sum(dim=1)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
         with torch.no_grad():
             self.load += counts
             if self.token_domains is not None:
-                domain = self.token_domains.reshape(-1).clamp(max=self.MAX_DOMAINS - 1)
-                self.domain_load.index_put_((domain.repeat_interleave(self.top_k), flat),
-                                            torch.ones_like(flat, dtype=self.domain_load.dtype), accumulate=True)
+                domain = self.token_domains[:, None].expand(shape[:-1]).reshape(-1).clamp(max=self.MAX_DOMAINS - 1)
+                self.domain_load.index_put_((domain.repeat_interleave(self.top_k), flat), torch.ones_like(flat),
+                                            accumulate=True)
         if self.training and (self.aux_coef > 0 or self.z_coef > 0):
             out = AuxLoss.apply(out, self.balancing_loss(logits, idx, counts))
         return out.reshape(shape)
@@ -161,4 +221,5 @@ class MoDE(nn.Module):
     @torch.no_grad()
     def update_bias(self, global_load: torch.Tensor) -> None:
         """Auxiliary-loss-free step: raise the bias of under-loaded experts, lower over-loaded ones."""
+        global_load = global_load.to(self.expert_bias.dtype)
         self.expert_bias += self.bias_update_rate * torch.sign(global_load.mean() - global_load)

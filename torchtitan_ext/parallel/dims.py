@@ -74,8 +74,9 @@ class ParallelDims:
 
     @cached_property
     def mesh(self) -> DeviceMesh:
-        """The world mesh with every dimension, plus flattened views ``dp``, ``dp_shard`` and, with EP,
-        ``dp_shard_mod_ep`` / ``ep``."""
+        """The world mesh with every dimension, plus flattened views ``dp``, ``dp_shard`` and, with TP,
+        ``dp_shard_tp`` and ``dp_shard_mod_ep_tp`` (the ranks that see different tokens inside a MoDE layer,
+        whose parameters are sharded over them)."""
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
         names = ["pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp"]
         sizes = [self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp]
@@ -84,6 +85,11 @@ class ParallelDims:
             "dp_shard": mesh[("dp_shard_mod_ep", "ep")]._flatten("dp_shard"),
             "dp": mesh[("dp_replicate", "dp_shard_mod_ep", "ep")]._flatten("dp"),
         }
+        if self.tp > 1:
+            self._flat["dp_shard_tp"] = mesh[("dp_shard_mod_ep", "ep", "tp")]._flatten("dp_shard_tp")
+            self._flat["dp_tp"] = mesh[("dp_replicate", "dp_shard_mod_ep", "ep", "tp")]._flatten("dp_tp")
+            if self.ep > 1:
+                self._flat["ep_tp"] = mesh[("ep", "tp")]._flatten("ep_tp")
         return mesh
 
     def submesh(self, *names: str) -> DeviceMesh:

@@ -17,7 +17,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 
-from torchtitan_ext.models.mode import GroupedExperts, MoDE
+from torchtitan_ext.models.mode import GroupedExperts, MoDE, inverse_permutation, permute_rows
 
 
 def _shard_experts(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
@@ -37,31 +37,39 @@ def _dispatch(module: GroupedExperts, inputs: tuple, mesh: DeviceMesh) -> tuple[
     x = all_to_all_single_autograd(x, recv_splits, send_splits, group)
     block = torch.repeat_interleave(torch.arange(ep * n_local, device=x.device), received.flatten())
     order = (block % n_local).argsort(stable=True)  # (source, expert) -> (expert, source)
-    module._ep_route = (order, send_splits, recv_splits)
-    return x[order], received.sum(dim=0)
+    inv = inverse_permutation(order)
+    module._ep_route = (order, inv, send_splits, recv_splits)
+    return permute_rows(x, order, inv), received.sum(dim=0)
 
 
 def _combine(module: GroupedExperts, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    order, send_splits, recv_splits = module._ep_route
+    order, inv, send_splits, recv_splits = module._ep_route
     module._ep_route = None
-    unsorted = out[order.argsort()]
+    unsorted = permute_rows(out, inv, order)
     return all_to_all_single_autograd(unsorted, send_splits, recv_splits, mesh.get_group())
 
 
-def check_ep(n_experts: int, ep: int) -> None:
+def check_ep(n_experts: int, ep: int, tp: int = 1) -> None:
     if n_experts == 0:
         raise ValueError(f"parallelism.ep = {ep} needs a MoDE model (model.n_experts > 0)")
-    if n_experts % ep:
-        raise ValueError(f"parallelism.ep = {ep} does not divide model.n_experts = {n_experts}")
+    if n_experts % (ep * tp):
+        shards = f"ep x tp = {ep} x {tp}" if tp > 1 else f"ep = {ep}"
+        raise ValueError(f"parallelism.{shards} does not divide model.n_experts = {n_experts} (under tensor "
+                         f"parallelism the experts are sharded over the ep x tp ranks)")
 
 
-def apply_ep(model: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
-    """Shard every MoDE layer's experts over ``mesh``; returns the expert modules (FSDP wraps them apart)."""
+def apply_ep(model: nn.Module, mesh: DeviceMesh, data_parallel_share: int) -> list[nn.Module]:
+    """Shard every MoDE layer's experts over ``mesh``; returns the expert modules (FSDP wraps them apart).
+
+    ``mesh`` is the ``ep`` ranks, or under TP the ``ep x tp`` ranks (each TP rank routes its own slice of
+    the sequence, so TP ranks hold experts too). An expert's gradient sums the tokens of the whole mesh, of
+    which ``data_parallel_share`` (= ep) data-parallel ranks' worth FSDP then averages again: it is scaled
+    by 1 / ep."""
     experts = []
     for block in model.layers.values():
         if isinstance(block.feed_forward, MoDE):
             module = block.feed_forward.experts
             distribute_module(module, mesh, _shard_experts, _dispatch, _combine)
-            module.grad_scale = 1.0 / mesh.size()
+            module.grad_scale = 1.0 / data_parallel_share
             experts.append(module)
     return experts

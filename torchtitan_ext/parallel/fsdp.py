@@ -8,24 +8,41 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from torchtitan_ext.models.mode import MoDE
+
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-               reshard_after_forward: bool = True, experts_mesh: DeviceMesh | None = None) -> None:
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh | None, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+               reshard_after_forward: bool = True, experts_mesh: DeviceMesh | None = None,
+               moe_mesh: DeviceMesh | None = None, tp: int = 1) -> None:
     """Shard every transformer block, then the root (embeddings, final norm, output head).
 
-    ``mesh`` is 1-D for FSDP and 2-D (replicate, shard) for HSDP. Under expert parallelism each block's
-    experts are first sharded on their own ``experts_mesh`` (the data-parallel ranks left after EP).
+    ``mesh`` is 1-D for FSDP and 2-D (replicate, shard) for HSDP; ``None`` shards only the MoDE layers (TP
+    without data-parallel sharding). Under expert parallelism each block's experts are first sharded on
+    their own ``experts_mesh`` (the data-parallel ranks left after EP). Under tensor parallelism a MoDE
+    layer runs on each TP rank's own slice of the sequence, so its other parameters are sharded on
+    ``moe_mesh`` (data-parallel x TP ranks): their gradients are summed over those ranks and divided by
+    the data-parallel degree only (the mesh size over ``tp``).
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+
+    def shard(module: nn.Module, on: DeviceMesh, reshard: bool = reshard_after_forward) -> None:
+        fully_shard(module, mesh=on, mp_policy=mp, reshard_after_forward=reshard)
+
     for block in model.layers.values():
-        experts = getattr(block.feed_forward, "experts", None)
-        if experts_mesh is not None and experts is not None:
-            fully_shard(experts, mesh=experts_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    # The root is used last in forward and first in backward: keeping it unsharded saves one all-gather.
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+        moe = block.feed_forward if isinstance(block.feed_forward, MoDE) else None
+        if moe is not None and experts_mesh is not None:
+            shard(moe.experts, experts_mesh)
+        if moe is not None and moe_mesh is not None:
+            shard(moe, moe_mesh)
+            moe.set_force_sum_reduction_for_comms(True)
+            moe.set_gradient_divide_factor(moe_mesh.size() / tp)
+        if mesh is not None:
+            shard(block, mesh)
+    if mesh is not None:
+        # The root is used last in forward and first in backward: keeping it unsharded saves one all-gather.
+        shard(model, mesh, reshard=False)
 
 
 def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> DistributedDataParallel:

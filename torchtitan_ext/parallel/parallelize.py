@@ -6,6 +6,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from torchtitan_ext.config.job_config import JobConfig
+from torchtitan_ext.config.loader import ConfigError
+from torchtitan_ext.models.mode import MoDE
 from torchtitan_ext.parallel.activation_checkpoint import apply_activation_checkpointing
 from torchtitan_ext.parallel.compile import apply_compile
 from torchtitan_ext.parallel.dims import ParallelDims
@@ -25,15 +27,26 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, cfg: JobConfig, on
         if cfg.parallelism.async_tp:
             enable_async_tp(dims.submesh("tp"), compiled=cfg.training.compile, on_gpu=on_gpu)
     if dims.ep > 1:
-        apply_ep(model, dims.submesh("ep"))
+        apply_ep(model, dims.submesh("ep_tp" if dims.tp > 1 else "ep"), data_parallel_share=dims.ep)
     ac = cfg.activation_checkpoint
     apply_activation_checkpointing(model, ac.mode, ac.selective_every)
     if cfg.training.compile:
         apply_compile(model)
-    if dims.fsdp_enabled:
-        param_dtype = DTYPES[cfg.training.mixed_precision_param] if on_gpu else DTYPES["float32"]
-        mesh = (dims.submesh("dp_replicate", "dp_shard") if dims.dp_replicate > 1
-                else dims.submesh("dp_shard"))
-        experts_mesh = dims.submesh("dp_shard_mod_ep") if dims.ep > 1 else None
+    has_moe = any(isinstance(block.feed_forward, MoDE) for block in model.layers.values())
+    moe_under_tp = dims.tp > 1 and has_moe
+    if moe_under_tp and dims.dp_replicate > 1:
+        raise ConfigError("parallelism.dp_replicate > 1 with tp > 1 and MoDE layers is not supported; use "
+                          "dp_shard (FSDP) for the data-parallel ranks")
+    if dims.fsdp_enabled or moe_under_tp:
+        param_dtype = DTYPES[cfg.training.mixed_precision_param] if on_gpu and dims.fsdp_enabled \
+            else DTYPES["float32"]  # without FSDP the blocks run under autocast
+        mesh = None
+        if dims.fsdp_enabled:
+            mesh = (dims.submesh("dp_replicate", "dp_shard") if dims.dp_replicate > 1
+                    else dims.submesh("dp_shard"))
+        experts_mesh = None
+        if dims.ep > 1:
+            experts_mesh = dims.submesh("dp_shard_mod_ep")
         apply_fsdp(model, mesh, param_dtype, DTYPES[cfg.training.mixed_precision_reduce],
-                   reshard_after_forward=dims.pp == 1, experts_mesh=experts_mesh)
+                   reshard_after_forward=dims.pp == 1, experts_mesh=experts_mesh,
+                   moe_mesh=dims.submesh("dp_shard_tp") if moe_under_tp else None, tp=dims.tp)

@@ -15,6 +15,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -22,6 +23,7 @@ from torch.distributed.tensor.parallel import (
 
 from torchtitan_ext.config.loader import ConfigError
 from torchtitan_ext.models.args import ModelArgs
+from torchtitan_ext.models.mode import MoDE
 
 
 def check_tp(args: ModelArgs, tp: int) -> None:
@@ -32,8 +34,6 @@ def check_tp(args: ModelArgs, tp: int) -> None:
             raise ValueError(f"parallelism.tp = {tp} does not divide model.{name} = {value}")
     if args.tie_embeddings:
         raise ValueError(f"parallelism.tp = {tp} needs untied embeddings (the flavor ties them)")
-    if args.n_experts:
-        raise ValueError("parallelism.tp > 1 with MoDE layers: shard experts with parallelism.ep instead")
 
 
 def apply_tp(model: nn.Module, mesh: DeviceMesh, loss_parallel: bool) -> None:
@@ -58,12 +58,20 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, loss_parallel: bool) -> None:
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
             "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
         }
-        if block.feed_forward.w3 is not None:
-            plan["feed_forward.w3"] = ColwiseParallel()
+        if isinstance(block.feed_forward, MoDE):
+            # Each TP rank routes its own slice of the sequence (tokens are independent in a MoDE layer);
+            # its parameters are sharded over data-parallel x TP ranks by FSDP instead (see fsdp.py).
+            plan["feed_forward"] = PrepareModuleInputOutput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_input=True,
+                output_layouts=(Shard(1),), desired_output_layouts=(Shard(1),), use_local_output=True)
+        else:
+            plan["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),),
+                                                      desired_input_layouts=(Replicate(),))
+            plan["feed_forward.w1"] = ColwiseParallel()
+            plan["feed_forward.w2"] = RowwiseParallel(output_layouts=Shard(1))
+            if block.feed_forward.w3 is not None:
+                plan["feed_forward.w3"] = ColwiseParallel()
         if block.attention.q_norm is not None:
             # Per-head norms see this rank's heads (dim 2); as replicated DTensors their gradients are summed.
             plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)

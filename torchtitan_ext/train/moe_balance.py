@@ -26,36 +26,37 @@ def balance_experts(parts: list[nn.Module], group: dist.ProcessGroup | None, rep
     """Sum each MoDE layer's routed load over the data-parallel ``group``, step the routing bias of layers
     that use auxiliary-loss-free balancing, and (when ``report``) return the metrics:
     ``moe/<layer>/imbalance`` (max / mean tokens per expert), the mean aux and z losses, and per-domain
-    expert usage. Loads are reset; without bias updates they accumulate until the next report."""
+    expert usage. Loads are reset; without bias updates they accumulate until the next report. All layers'
+    counters travel in one all-reduce (two when reporting per-domain loads), not one per layer."""
     metrics: dict[str, float] = {}
-    layers = mode_layers(parts)
-    aux, z = [], []
-    for name, layer in layers:
-        if not (report or layer.bias_update_rate > 0):
-            continue
-        load = layer.load.clone()
-        if group is not None:
-            dist.all_reduce(load, group=group)
+    layers = [(name, layer) for name, layer in mode_layers(parts) if report or layer.bias_update_rate > 0]
+    if not layers:
+        return metrics
+    loads = torch.stack([layer.load for _, layer in layers])
+    if group is not None:
+        dist.all_reduce(loads, group=group)
+    for (_, layer), load in zip(layers, loads, strict=True):
         if layer.bias_update_rate > 0:
             layer.update_bias(load)
         layer.load.zero_()
-        if not report:
-            continue
+    if not report:
+        return metrics
+    domain_loads = torch.stack([layer.domain_load for _, layer in layers])
+    if group is not None:
+        dist.all_reduce(domain_loads, group=group)
+    aux, z = [], []
+    for (name, layer), load, domain_load in zip(layers, loads.double(), domain_loads, strict=True):
         metrics[f"moe/{name}/imbalance"] = (load.max() / load.mean().clamp(min=1)).item()
         metrics[f"moe/{name}/min_share"] = (load.min() / load.sum().clamp(min=1)).item()
         if layer.last_aux_loss is not None:
             aux.append(layer.last_aux_loss)
             z.append(layer.last_z_loss)
-        domain_load = layer.domain_load.clone()
-        if group is not None:
-            dist.all_reduce(domain_load, group=group)
         layer.domain_load.zero_()
         for d in torch.nonzero(domain_load.sum(dim=1)).flatten().tolist():
-            share = domain_load[d] / domain_load[d].sum()
+            share = domain_load[d].double() / domain_load[d].sum()
             metrics[f"moe/{name}/domain{d}_top_expert_share"] = share.max().item()
             metrics[f"moe/{name}/domain{d}_top_expert"] = float(share.argmax())
     if aux:
         metrics["moe/aux_loss"] = torch.stack(aux).mean().item()
         metrics["moe/router_z_loss"] = torch.stack(z).mean().item()
     return metrics
-

@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan_ext.checkpoint.manager import CheckpointManager, ModelParts
+from torchtitan_ext.comm.compressed_collectives import CommStats, apply_gradient_compression
 from torchtitan_ext.config.job_config import JobConfig
 from torchtitan_ext.config.loader import ConfigError, to_toml
 from torchtitan_ext.data.loader import build_data
@@ -141,7 +142,7 @@ class Trainer:
             if dims.tp > 1:
                 check_tp(margs, dims.tp)
             if dims.ep > 1:
-                check_ep(margs.n_experts, dims.ep)
+                check_ep(margs.n_experts, dims.ep, dims.tp)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         self.pp_schedule = None
@@ -169,7 +170,12 @@ class Trainer:
                 self.pp_microbatches, self._pipeline_loss)
         if dims.ddp_enabled:
             self.model_parts = [apply_ddp(m, dims.submesh("dp")) for m in self.model_parts]
-        AuxLoss.scale = 1.0 / self.accum_steps  # balancing losses scale like the main loss
+        self.comm_stats: CommStats | None = CommStats()  # gradient bytes handed to the DP collectives
+        if not apply_gradient_compression(self.model_parts, cfg.comm, dims, self.comm_stats, log=self.log):
+            self.comm_stats = None
+        # Balancing losses scale like the main loss; under TP each rank averages them over its own slice of
+        # the sequence and the slices' gradients are summed (see parallel/fsdp.py).
+        AuxLoss.scale = 1.0 / (self.accum_steps * dims.tp)
         self.has_moe = margs.n_experts > 0
         self.use_autocast = self.device.type == "cuda" and not dims.fsdp_enabled and \
             cfg.training.mixed_precision_param == "bfloat16"
@@ -177,7 +183,10 @@ class Trainer:
         # Compiled, the loss fuses the float32 upcast of the logits into the cross-entropy kernels.
         compile_loss = cfg.training.compile and not self.loss_parallel
         self.loss_fn = torch.compile(cross_entropy_loss) if compile_loss else cross_entropy_loss
-        self.dp_group = dims.submesh("dp").get_group() if dims.dp > 1 else None
+        # Ranks that route different tokens through the MoDE layers: data-parallel ranks, and under TP each
+        # TP rank's slice of the sequence; expert loads are summed over them.
+        moe_mesh = "dp_tp" if dims.tp > 1 else "dp"
+        self.moe_group = dims.submesh(moe_mesh).get_group() if dims.dp * dims.tp > 1 else None
         self.optimizers = Optimizers(self.model_parts, cfg.optimizer)
         self.spike_guard = SpikeGuard(t.spike_factor, t.spike_window, t.spike_lr_scale, t.spike_guard)
         self.step = 0
@@ -258,7 +267,7 @@ class Trainer:
             batch = self.loader.next_batch()
             inputs, labels = batch.inputs.to(self.device), batch.labels.to(self.device)
             if self.has_moe and self.pp_schedule is None:
-                set_token_domains(self.model_parts, batch.domains[:, None].expand_as(batch.inputs).to(self.device))
+                set_token_domains(self.model_parts, batch.domains.to(self.device))
             loss_sum += self.forward_backward(inputs, labels, micro == self.accum_steps - 1)
         params = [p for m in self.model_parts for p in m.parameters()]
         pp_group = self.dims.submesh("pp").get_group() if self.dims.pp > 1 else None
@@ -311,7 +320,7 @@ class Trainer:
             loss, grad_norm, lr = self.train_step()
             window_steps += 1
             log_now = self.step % cfg.metrics.log_freq == 0 or self.step == t.steps
-            moe_metrics = balance_experts(self.model_parts, self.dp_group, report=log_now) if self.has_moe else {}
+            moe_metrics = balance_experts(self.model_parts, self.moe_group, report=log_now) if self.has_moe else {}
             if not math.isfinite(loss):
                 raise TrainingDiverged(
                     f"step {self.step}: loss is {loss}; stopping without saving (the latest checkpoint in "
@@ -333,6 +342,9 @@ class Trainer:
                     values["memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
                     values["memory_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
                 values.update(moe_metrics)
+                if self.comm_stats is not None:  # per step: compressed and uncompressed gradient bytes
+                    values.update({k: v / window_steps for k, v in self.comm_stats.as_dict().items()})
+                    self.comm_stats.reset()
                 if cfg.eval.interval and self.step % cfg.eval.interval == 0:
                     values["val_loss"] = self.evaluate()
                 self.metrics.log(self.step, {k: v for k, v in values.items() if v is not None})

@@ -1,0 +1,164 @@
+"""MoDE (Mixture of Distilled Experts): top-k routed SwiGLU experts with dropless token-choice routing.
+
+Routing: softmax over the router's logits, top-k (selection may add a per-expert bias, the auxiliary-
+loss-free balancing of DeepSeek-V3, which moves toward equal load without touching the gradients), gates
+optionally renormalised over the k chosen. Every token reaches its k experts (no capacity, no drops): the
+token copies are sorted by expert and run through one grouped GEMM per weight (``GroupedExperts``), then
+scattered back weighted by their gates. ``GroupedExperts`` is the unit expert parallelism distributes.
+
+Balancing losses (Switch load-balancing, router z-loss) do not change the forward value; they enter the
+backward pass through ``AuxLoss`` so they reach the router from any pipeline stage.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from torchtitan_ext.models.args import ModelArgs
+from torchtitan_ext.models.ffn import FeedForward
+
+
+class AuxLoss(torch.autograd.Function):
+    """Identity on ``out``; in backward, adds d(aux)/d(router) scaled by ``AuxLoss.scale`` (the trainer
+    sets it to 1 / micro-batches so it matches the scaling of the main loss)."""
+
+    scale = 1.0
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.aux_dtype = aux.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.full((), AuxLoss.scale, dtype=ctx.aux_dtype, device=grad.device)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Row block g of ``x`` (rows ends[g-1]:ends[g]) times ``w[g].T``; w is (groups, out, in).
+
+    On CUDA one ``torch._grouped_mm`` in bf16 (no host sync, no loop); elsewhere a loop over groups."""
+    if x.is_cuda:
+        out = torch._grouped_mm(x.bfloat16(), w.bfloat16().transpose(-2, -1), offs=ends.int())
+        return out.to(x.dtype)
+    outs, start = [], 0
+    for g, end in enumerate(ends.tolist()):
+        outs.append(x[start:end] @ w[g].t())
+        start = end
+    return torch.cat(outs) if outs else x.new_zeros(0, w.shape[1])
+
+
+class ScaleGrad(torch.autograd.Function):
+    """Identity whose backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts in stacked weights; input rows sorted by expert, ``counts[e]`` rows each.
+
+    ``grad_scale`` multiplies the weights' gradients: expert parallelism sets it to 1 / ep, because an
+    expert's gradient then sums the losses of all its EP peers' tokens, which data parallelism averages."""
+
+    grad_scale = 1.0
+
+    def __init__(self, n_experts: int, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        ends = counts.cumsum(0)
+        # Under expert parallelism the weights are DTensors sharded by expert: compute with this rank's.
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
+        if self.grad_scale != 1.0:
+            w1, w2, w3 = (ScaleGrad.apply(w, self.grad_scale) for w in (w1, w2, w3))
+        h = F.silu(grouped_mm(x, w1, ends)) * grouped_mm(x, w3, ends)
+        return grouped_mm(h, w2, ends)
+
+
+class MoDE(nn.Module):
+    MAX_DOMAINS = 16
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_experts, self.top_k, self.renormalize = args.n_experts, args.top_k, args.renormalize_gates
+        self.aux_coef, self.z_coef = args.aux_loss_coef, args.router_z_loss_coef
+        self.bias_update_rate = args.bias_update_rate
+        self.router = nn.Linear(args.dim, args.n_experts, bias=False)
+        self.experts = GroupedExperts(args.n_experts, args.dim, args.expert_hidden)
+        self.shared_expert = FeedForward(args.dim, args.expert_hidden) if args.shared_expert else None
+        # Auxiliary-loss-free balancing: added to the scores for selection only; saved in checkpoints.
+        self.register_buffer("expert_bias", torch.zeros(args.n_experts), persistent=True)
+        # Routed token copies per expert since the last read (metrics, bias updates); per rank.
+        self.register_buffer("load", torch.zeros(args.n_experts), persistent=False)
+        # Per-domain routed copies (the Zen report's specialisation analysis) when the caller sets
+        # ``token_domains`` (batch, seq) ids below MAX_DOMAINS before the forward pass.
+        self.register_buffer("domain_load", torch.zeros(self.MAX_DOMAINS, args.n_experts), persistent=False)
+        self.token_domains: torch.Tensor | None = None
+        self.last_aux_loss = self.last_z_loss = None
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        self.expert_bias.zero_()
+        self.load.zero_()
+        self.domain_load.zero_()
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (tokens, dim) -> expert ids (tokens, k), gates (tokens, k), router logits (tokens, E) fp32."""
+        logits = self.router(x).float()
+        probs = logits.softmax(dim=-1)
+        scores = probs + self.expert_bias if self.bias_update_rate > 0 else probs
+        idx = scores.topk(self.top_k, dim=-1).indices
+        gates = probs.gather(1, idx)
+        if self.renormalize:
+            gates = gates / gates.sum(dim=-1, keepdim=True)
+        return idx, gates, logits
+
+    def balancing_loss(self, logits: torch.Tensor, idx: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Switch loss ``E * sum_e f_e * P_e`` (f: fraction of routed copies, P: mean router probability)
+        times its coefficient, plus the router z-loss times its coefficient."""
+        probs = logits.softmax(dim=-1)
+        frac = counts.float() / idx.numel()
+        aux = self.n_experts * (frac * probs.mean(dim=0)).sum()
+        z = torch.logsumexp(logits, dim=-1).square().mean()
+        self.last_aux_loss, self.last_z_loss = aux.detach(), z.detach()
+        return self.aux_coef * aux + self.z_coef * z
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        idx, gates, logits = self.route(x)
+        flat = idx.flatten()
+        counts = torch.bincount(flat, minlength=self.n_experts)
+        order = flat.argsort(stable=True)  # token copies sorted by expert
+        token = order // self.top_k
+        y = self.experts(x[token], counts) * gates.flatten()[order].unsqueeze(-1).to(x.dtype)
+        out = torch.zeros_like(x).index_add_(0, token, y)  # the inverse permutation, summing the k copies
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(x)
+        with torch.no_grad():
+            self.load += counts
+            if self.token_domains is not None:
+                domain = self.token_domains.reshape(-1).clamp(max=self.MAX_DOMAINS - 1)
+                self.domain_load.index_put_((domain.repeat_interleave(self.top_k), flat),
+                                            torch.ones_like(flat, dtype=self.domain_load.dtype), accumulate=True)
+        if self.training and (self.aux_coef > 0 or self.z_coef > 0):
+            out = AuxLoss.apply(out, self.balancing_loss(logits, idx, counts))
+        return out.reshape(shape)
+
+    @torch.no_grad()
+    def update_bias(self, global_load: torch.Tensor) -> None:
+        """Auxiliary-loss-free step: raise the bias of under-loaded experts, lower over-loaded ones."""
+        self.expert_bias += self.bias_update_rate * torch.sign(global_load.mean() - global_load)

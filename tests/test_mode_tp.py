@@ -1,0 +1,53 @@
+"""MoDE under tensor parallelism (TP for attention): each TP rank routes its own slice of the sequence, the
+MoDE parameters are sharded over data-parallel x TP ranks, and with EP the experts over ep x tp ranks. The
+per-step losses and gradient norms equal one process's (same seed, data and global batch).
+
+The Switch balancing loss is a product of per-group statistics, so it changes when a group of tokens is
+split; it is off here (the router z-loss, a mean over tokens, stays on). EP at the same data-parallel degree
+with the Switch loss on is covered in test_mode.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+from trainer_utils import read_metrics, run_trainer
+
+RTOL = 1e-5  # float32 sums in another order than one process (see test_parallel.py)
+GN_RTOL = 1e-4
+MODE = ["--model.flavor", "mode_debug", "--model.aux_loss_coef", "0", "--training.steps", "4"]
+LAYOUTS = {  # name: (processes, overrides); 4 sequences per step in each
+    "tp2": (2, ["--parallelism.tp", "2", "--parallelism.dp_shard", "1", "--training.local_batch_size", "4"]),
+    "fsdp2_tp2": (4, ["--parallelism.tp", "2", "--parallelism.dp_shard", "2", "--training.local_batch_size", "2"]),
+    "fsdp2_ep2_tp2": (4, ["--parallelism.tp", "2", "--parallelism.dp_shard", "2", "--parallelism.ep", "2",
+                          "--training.local_batch_size", "2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("mode_one")
+    run_trainer(dump, 0, *MODE, "--training.local_batch_size", "4")
+    return read_metrics(dump)
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_mode_under_tp_matches_one_process(reference, tmp_path, name):
+    nproc, overrides = LAYOUTS[name]
+    run_trainer(tmp_path, nproc, *MODE, *overrides)
+    got = read_metrics(tmp_path)
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    for r, g in zip(reference, got, strict=True):
+        assert g["loss"] == pytest.approx(r["loss"], rel=RTOL), r["step"]
+        assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=GN_RTOL), r["step"]
+        assert g["moe/layers.0/imbalance"] == r["moe/layers.0/imbalance"]  # loads summed over every slice
+
+
+def test_experts_must_divide_over_ep_and_tp(tmp_path):
+    proc = run_trainer(tmp_path, 4, *MODE, "--parallelism.tp", "2", "--parallelism.dp_shard", "2",
+                       "--parallelism.ep", "2", "--model.n_experts", "6", "--training.local_batch_size", "2",
+                       check=False)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors and "parallelism.ep x tp = 2 x 2 does not divide model.n_experts = 6" in errors[0], \
+        proc.stderr[-2000:]
+    assert "exitcode  : 2" in proc.stderr and "exitcode  : 1" not in proc.stderr  # one clean line, no trace

@@ -1,0 +1,125 @@
+"""Squinch gradient compression in the real trainer: 300 steps of the debug model, 2 gloo processes.
+
+For FSDP (``dp_mode = "fsdp"``, the FSDP2 reduce-scatter) and DDP (``dp_mode = "ddp"``, the comm hook), one
+uncompressed and one Squinch run with the same seed and data: the final loss agrees within 2%, and
+``metrics.jsonl`` reports per step the Squinch bytes sent next to the uncompressed float32 bytes they replace.
+Those four 300-step runs take several minutes on a 2-core CPU, hence ``slow``; a few-step run per mode
+checks the wiring in the fast suite.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from trainer_utils import read_metrics, run_trainer
+
+from torchtitan_ext.comm.squinch import BLOCK, BLOCK_BYTES
+from torchtitan_ext.config.loader import parse_args
+from torchtitan_ext.data.tokenizer import ByteTokenizer
+from torchtitan_ext.models.decoder import Decoder
+from torchtitan_ext.train.trainer import resolve_model_args
+
+STEPS = 300
+WORLD = 2
+MIN_NUMEL = 1024  # comm.min_numel's default, passed explicitly since the byte counts depend on it
+COMMON = ["--training.steps", str(STEPS), "--metrics.log_freq", "1", "--job.seed", "0",
+          "--comm.min_numel", str(MIN_NUMEL)]
+MODES = {"fsdp": [], "ddp": ["--parallelism.dp_mode", "ddp"]}
+# The final loss: mean of the losses of the last 50 steps (251..300). Step to step, the two runs' losses differ
+# by up to ~3% (their weights drift apart, and one batch's loss is noisy); over 50 steps the difference between
+# two uncompressed runs (FSDP vs DDP, same data) is ~0.2%, so 2% tests the compression, not the noise.
+LAST_STEPS = 50
+FP32_RATIO = BLOCK_BYTES / (BLOCK * 4)  # 6 bytes per 8 float32 values = 6/32
+
+
+@pytest.fixture(scope="module", params=list(MODES))
+def runs(request, tmp_path_factory) -> dict:
+    mode = request.param
+    root = tmp_path_factory.mktemp(f"squinch_{mode}")
+    out = {"mode": mode}
+    for name, extra in (("plain", []), ("squinch", ["--comm.gradient_compression", "squinch"])):
+        proc = run_trainer(root / name, WORLD, *COMMON, *MODES[mode], *extra)
+        out[name] = {"dump": root / name, "stdout": proc.stdout, "metrics": read_metrics(root / name)}
+    return out
+
+
+def _final_loss(records: list[dict]) -> float:
+    assert [r["step"] for r in records[-LAST_STEPS:]] == list(range(STEPS - LAST_STEPS + 1, STEPS + 1))
+    return sum(r["loss"] for r in records[-LAST_STEPS:]) / LAST_STEPS
+
+
+def _model(dump: Path) -> Decoder:
+    """The model this run trained (from its config.toml), on the meta device."""
+    cfg = parse_args(["--config", str(dump / "config.toml")])
+    with torch.device("meta"):
+        return Decoder(resolve_model_args(cfg, ByteTokenizer.vocab_size))
+
+
+@pytest.mark.slow
+def test_final_loss_within_two_percent(runs: dict) -> None:
+    plain, squinch = _final_loss(runs["plain"]["metrics"]), _final_loss(runs["squinch"]["metrics"])
+    print(f"{runs['mode']}: final loss plain {plain:.4f}, squinch {squinch:.4f} ({100 * (squinch / plain - 1):+.2f}%)")
+    assert abs(squinch - plain) <= 0.02 * plain, f"{runs['mode']}: squinch {squinch:.4f} vs plain {plain:.4f}"
+    assert plain < 0.5 * math.log(ByteTokenizer.vocab_size)  # both learned: a uniform guess scores ln(257)
+
+
+@pytest.mark.slow
+def test_bytes_per_step(runs: dict) -> None:
+    """bytes_sent is 6/32 of bytes_uncompressed for the compressed gradients; the rest is counted 1:1.
+
+    DDP: a bucket's gradients below ``min_numel`` (the norm weights) are all-reduced as they are, so
+    ``sent = small + 6/32 (uncompressed - small)`` exactly, ``small`` being their float32 bytes; the
+    compressed chunks are whole blocks of 8, and the uncompressed count covers the same padded chunks
+    (all-to-all of ``world`` chunks plus all-gather of one).
+    FSDP: each module's flat gradient (one reduce-scatter per block and one for the root, all above
+    ``min_numel``) is compressed; every rank's row of it is encoded on its own and rounded up to a whole
+    block, at most 6 bytes over 6/32 per row: ``0 <= sent - 6/32 uncompressed <= modules x world x 6``.
+    """
+    assert all("comm/bytes_sent" not in r for r in runs["plain"]["metrics"])
+    records = runs["squinch"]["metrics"]
+    assert len(records) == STEPS and all("comm/bytes_sent" in r for r in records)
+    model = _model(runs["squinch"]["dump"])
+    numels = [p.numel() for p in model.parameters()]
+    n_params = int(re.search(r"model debug: ([\d,]+) parameters", runs["squinch"]["stdout"])[1].replace(",", ""))
+    assert sum(numels) == n_params
+    for r in records:
+        sent, uncompressed = r["comm/bytes_sent"], r["comm/bytes_uncompressed"]
+        if runs["mode"] == "ddp":
+            small = 4 * sum(n for n in numels if n < MIN_NUMEL)
+            assert small > 0
+            assert sent - small == pytest.approx(FP32_RATIO * (uncompressed - small), rel=1e-12)
+            # all-to-all of world chunks + all-gather of one, of >= the large gradients' float32 bytes
+            large = 4 * sum(n for n in numels if n >= MIN_NUMEL)
+            assert (WORLD + 1) / WORLD * large <= uncompressed - small <= (WORLD + 1) / WORLD * large * 1.001
+        else:
+            n_modules = len(model.layers) + 1  # fully_shard on every block and on the root
+            # Every rank hands over its whole unsharded gradient (all dim-0 sizes are even: no FSDP padding).
+            assert uncompressed == 4 * n_params
+            assert 0 <= sent - FP32_RATIO * uncompressed <= n_modules * WORLD * BLOCK_BYTES
+    last = records[-1]
+    print(f"{runs['mode']}: {last['comm/bytes_sent']:,.0f} bytes sent / {last['comm/bytes_uncompressed']:,.0f} "
+          f"uncompressed per step")
+
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_wiring_reports_bytes(tmp_path: Path, mode: str) -> None:
+    """A few steps: the trainer installs Squinch (with error feedback) and logs the bytes of every step."""
+    proc = run_trainer(tmp_path, WORLD, "--training.steps", "3", "--metrics.log_freq", "1", *MODES[mode],
+                       "--comm.gradient_compression", "squinch", "--comm.error_feedback", "true")
+    assert proc.stdout.count("gradient compression: Squinch on the") == 1
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        ratio = r["comm/bytes_sent"] / r["comm/bytes_uncompressed"]
+        assert FP32_RATIO <= ratio < FP32_RATIO * 1.01  # the small norm weights (DDP) go uncompressed
+
+
+def test_nothing_to_compress_on_one_rank(tmp_path: Path) -> None:
+    proc = run_trainer(tmp_path, 0, "--training.steps", "2", "--comm.gradient_compression", "squinch")
+    assert proc.stdout.count("has nothing to compress") == 1
+    assert all("comm/bytes_sent" not in r for r in read_metrics(tmp_path))
