@@ -63,9 +63,6 @@ def test_checkpoint_saved_at_ep2_loads_at_ep1(tmp_path):
         assert got[step] == pytest.approx(ref[step], rel=RTOL)
 
 
-@pytest.mark.xfail(strict=True, reason="parallelize.py FSDP-shards experts on the 1-D dp_shard_mod_ep mesh, so "
-                   "under HSDP their gradients are never reduced over dp_replicate; the 2-D mesh "
-                   "('dp_replicate', 'dp_shard_mod_ep') fixes it")
 def test_expert_parallel_under_hsdp_matches_ep1(tmp_path):
     hsdp = [*MODE, "--training.local_batch_size", "1", "--parallelism.dp_replicate", "2"]
     run_trainer(tmp_path / "ep1", 4, *hsdp)
@@ -219,6 +216,43 @@ def test_mode_layer_compiles_to_one_graph(monkeypatch):
     assert torch.equal(compiled.load, eager.load)
 
 
+
+def _ep_compile_worker(rank: int, world: int) -> tuple[float, float, float]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import torchtitan_ext.models.mode as mode
+    from torchtitan_ext.models.decoder import Decoder
+    from torchtitan_ext.parallel.ep import apply_ep
+
+    mode.grouped_mm = _masked_grouped_mm  # as on CUDA: no host sync inside the expert GEMMs
+    args = ModelArgs(vocab_size=64, dim=16, n_layers=1, n_heads=2, n_experts=4, top_k=2, moe_hidden=8,
+                     max_seq_len=16)
+    layers = []
+    for _ in range(2):
+        model = Decoder(args)
+        for name, p in model.named_parameters():
+            fill_param_(name, p.data, "normal", 0.3, seed=0)
+        model.init_buffers(torch.device("cpu"))
+        apply_ep(model, init_device_mesh("cpu", (world,)), data_parallel_share=world)
+        layers.append(model.layers["0"])
+    rope = (model.rope_cos, model.rope_sin)
+    x = torch.randn(2, 16, 16, generator=torch.Generator().manual_seed(rank))
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    layers[0](xa, rope).square().sum().backward()
+    torch._dynamo.reset()
+    torch.compile(layers[1], fullgraph=True, backend="aot_eager")(xb, rope).square().sum().backward()
+    dw = [m.feed_forward.experts.w2.grad.to_local() for m in layers]
+    return ((xb.grad - xa.grad).abs().max().item(), (dw[1] - dw[0]).abs().max().item(), xa.grad.abs().max().item())
+
+
+def test_expert_parallel_dispatch_compiles_to_one_graph():
+    """The EP hooks (counts all-to-all, split sizes read on the host, the token all-to-alls and the
+    re-sorting) trace into the block's single graph, with the same results as eager, on 2 gloo ranks."""
+    from dist_utils import run_distributed
+
+    for dx, dw, scale in run_distributed(_ep_compile_worker, 2):
+        assert scale > 0 and dx <= 1e-5 * scale and dw <= 1e-5, (dx, dw, scale)
+
 # ----------------------------------------------------------------------------------------------------------
 # Shipped MoDE jobs: valid layouts at the world sizes their comments name, and memory that fits an H100
 
@@ -283,11 +317,8 @@ def test_mode_config_layout_is_valid_at_its_world_size(name, world, extra):
     dims = ParallelDims.from_config(p, world)  # raises ParallelDimsError on a bad product or ep
     args = resolve_model_args(cfg, cfg.data.tokenizer_vocab_size if cfg.data.tokenizer == "builtin" else 0)
     assert args.n_experts > 0 and dims.ep > 1, "a MoDE job with expert parallelism"
-    check_ep(args.n_experts, dims.ep)
-    assert args.n_experts % dims.ep == 0 and dims.dp_shard % dims.ep == 0
-    # Expert weights are only FSDP-sharded over dp_shard / ep; under HSDP they would miss the reduction over
-    # dp_replicate (parallelize.py passes a 1-D experts mesh), so the shipped jobs keep dp_replicate = 1.
-    assert dims.dp_replicate == 1
+    check_ep(args.n_experts, dims.ep, dims.tp)
+    assert args.n_experts % (dims.ep * dims.tp) == 0 and dims.dp_shard % dims.ep == 0
     assert args.n_heads % dims.tp == 0 and args.kv_heads % dims.tp == 0
     if dims.tp > 1:
         check_tp(args, dims.tp)

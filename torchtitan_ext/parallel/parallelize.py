@@ -45,8 +45,9 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, cfg: JobConfig, on
             mesh = (dims.submesh("dp_replicate", "dp_shard") if dims.dp_replicate > 1
                     else dims.submesh("dp_shard"))
         experts_mesh = None
-        if dims.ep > 1:
-            experts_mesh = dims.submesh("dp_shard_mod_ep")
+        if dims.ep > 1:  # the data-parallel ranks left after EP; HSDP replicates the experts too
+            experts_mesh = (dims.submesh("dp_replicate", "dp_shard_mod_ep") if dims.dp_replicate > 1
+                            else dims.submesh("dp_shard_mod_ep"))
         apply_fsdp(model, mesh, param_dtype, DTYPES[cfg.training.mixed_precision_reduce],
                    reshard_after_forward=dims.pp == 1, experts_mesh=experts_mesh,
                    moe_mesh=dims.submesh("dp_shard_tp") if moe_under_tp else None, tp=dims.tp)
