@@ -14,8 +14,11 @@
 #                             vs the Squinch reduce-scatter (6 bytes per 8 values, float32 sums);
 #   ddp_plain / ddp_squinch:  DDP's own all-reduce vs the Squinch DDP hook. DDP reduces the gradients in
 #                             their own dtype, float32 here (mixed_precision_reduce is an FSDP setting).
-# Bytes per step are one rank's: for Squinch runs comm/bytes_sent and comm/bytes_uncompressed (what the
-# same collectives would carry uncompressed); for the uncompressed runs, parameters x reduce dtype size.
+# Bytes per step are one rank's, handed to the collectives (not bytes on the wire): for Squinch runs
+# comm/bytes_sent and comm/bytes_uncompressed (what the same collectives would carry uncompressed: for DDP an
+# all-to-all plus an all-gather, 1.5x the gradient on 2 ranks); for the uncompressed runs, parameters x the
+# reduce dtype's size (the reduce-scatter or all-reduce input). Step time is the median over the logged
+# windows after the first (warm-up).
 set -uo pipefail
 SMOKE=0
 if [[ "${1:-}" == "--smoke" ]]; then SMOKE=1; shift; fi
@@ -118,11 +121,12 @@ for plain, squinch in (("fsdp_bf16", "fsdp_squinch"), ("ddp_plain", "ddp_squinch
         b["loss_vs_plain_pct"] = round(100 * (b["final_loss"] / a["final_loss"] - 1), 2)
         if "bytes_sent_per_step" in a:
             b["bytes_vs_plain"] = round(b["bytes_sent_per_step"] / a["bytes_sent_per_step"], 4)
-cols = ["step_ms", "tokens_per_sec", "speedup", "final_loss", "loss_vs_plain_pct", "bytes_sent_per_step",
-        "bytes_uncompressed_per_step", "bytes_vs_plain", "wall_s"]
-print(f"{'run':<14}" + "".join(f"{c:>29}" for c in cols))
+cols = {"step_ms": "step_ms", "tokens_per_sec": "tokens/s", "speedup": "speedup", "final_loss": "final_loss",
+        "loss_vs_plain_pct": "loss_vs_plain%", "bytes_sent_per_step": "bytes_sent/step",
+        "bytes_uncompressed_per_step": "uncompressed/step", "bytes_vs_plain": "bytes_vs_plain", "wall_s": "wall_s"}
+print(f"{'run':<14}" + "".join(f"{h:>18}" for h in cols.values()))
 for name, row in summary.items():
-    cells = "".join(f"{row.get(c, '-')!s:>29}" for c in cols)
+    cells = "".join(f"{row.get(c, '-')!s:>18}" for c in cols)
     print(f"{name:<14}{cells}" + (f"  {row['error']}" if "error" in row else ""))
 (out / "summary.json").write_text(json.dumps(summary, indent=1))
 print(json.dumps(summary))
