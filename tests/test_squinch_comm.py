@@ -17,6 +17,7 @@ from dist_utils import run_distributed
 
 from torchtitan_ext.comm.compressed_collectives import (
     CommStats,
+    SquinchReplicateAllReduce,
     apply_squinch_fsdp,
     register_squinch_ddp_hook,
 )
@@ -79,6 +80,26 @@ def _ddp_run(rank: int, min_numel: int, error_feedback: bool, steps: int) -> lis
 
 
 
+def _replicate_run(rank: int, min_numel: int, error_feedback: bool, steps: int) -> list[dict]:
+    """HSDP's replicate all-reduce after the backward pass: every gradient of the model in one call, in
+    parameter order, recorded like a DDP bucket so the DDP reference checks it."""
+    model = _model()
+    names = [n for n, _ in model.named_parameters()]
+    stats = CommStats()
+    reduce = SquinchReplicateAllReduce(list(model.parameters()), dist.group.WORLD, min_numel=min_numel,
+                                       error_feedback=error_feedback, stats=stats)
+    record: list[dict] = []
+    for step in range(steps):
+        model.zero_grad(set_to_none=True)
+        x = _batch(rank, step, nan=error_feedback and step == NAN_STEP)
+        model(x).square().mean().backward()
+        bucket = [(n, p.grad.clone()) for n, p in zip(names, model.parameters(), strict=True)]
+        reduce()
+        record.append({"buckets": [bucket], "local": dict(bucket), "stats": stats.as_dict(),
+                       "grads": {n: p.grad.clone() for n, p in model.named_parameters()}})
+        stats.reset()
+    return record
+
 
 class _Recorder:
     """Stands in front of the installed reduce-scatter to log its input and output tensors."""
@@ -140,7 +161,11 @@ def _worker(rank: int, world_size: int) -> dict[str, dict[str, list[dict]]]:
         "divide": _fsdp_run(rank, MIN_NUMEL, False, 1, torch.float32, 3.0),
         "bypass": _fsdp_run(rank, 10**9, False, 1, torch.float32, None),
     }
-    return {"ddp": ddp, "fsdp": fsdp}
+    replicate = {
+        "plain": _replicate_run(rank, MIN_NUMEL, error_feedback=False, steps=2),
+        "ef": _replicate_run(rank, MIN_NUMEL, error_feedback=True, steps=4),
+    }
+    return {"ddp": ddp, "fsdp": fsdp, "replicate": replicate}
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
@@ -149,7 +174,7 @@ def results(request) -> tuple[int, dict[str, dict[str, list[list[dict]]]]]:
     per_rank = run_distributed(_worker, request.param)
     return request.param, {
         kind: {scenario: [r[kind][scenario] for r in per_rank] for scenario in per_rank[0][kind]}
-        for kind in ("ddp", "fsdp")
+        for kind in ("ddp", "fsdp", "replicate")
     }
 
 
@@ -255,6 +280,17 @@ def test_ddp_error_feedback_and_non_finite(ddp_runs):
     assert not torch.equal(ef[1]["grads"]["0.weight"], plain[1]["grads"]["0.weight"]), "residual unused"
     assert not ef[NAN_STEP]["grads"]["0.weight"].isfinite().all(), "a NaN gradient must stay visible"
     assert all(g.isfinite().all() for g in ef[NAN_STEP + 1]["grads"].values()), "NaN leaked into residual"
+
+
+def test_replicate_all_reduce_matches_one_process_reference(results):
+    """HSDP with Squinch averages the gradient shards over dp_replicate after the backward pass: the same
+    compressed all-reduce as the DDP hook, checked the same way, with and without error feedback."""
+    runs = results[1]["replicate"]
+    _ddp_reference(runs["plain"], error_feedback=False)
+    _ddp_reference(runs["ef"], error_feedback=True)
+    assert not runs["ef"][0][NAN_STEP]["grads"]["0.weight"].isfinite().all(), "a NaN gradient must stay visible"
+    assert all(g.isfinite().all() for g in runs["ef"][0][NAN_STEP + 1]["grads"].values())
+    assert runs["plain"][0][0]["stats"]["comm/bytes_sent"] < runs["plain"][0][0]["stats"]["comm/bytes_uncompressed"]
 
 
 def test_ddp_min_numel_bypass_is_exact(ddp_runs):

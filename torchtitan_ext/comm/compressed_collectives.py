@@ -12,10 +12,11 @@ reduction in float32 after decoding, so no low-precision arithmetic happens on t
 * Trainer wiring (:func:`apply_gradient_compression`): ``comm.gradient_compression = "squinch"`` installs
   the FSDP2 reduce-scatter (``parallelism.dp_mode = "fsdp"``) or the DDP hook (``"ddp"``) on every model
   part; pipeline stages are FSDP modules like any other, so PP composes with it.
-* HSDP: FSDP2 (checked in torch 2.13) has no extension point for the all-reduce over the replicate
-  dimension (``set_all_reduce_hook`` runs *after* FSDP's own all-reduce, it cannot replace it), so on HSDP
-  only the reduce-scatter inside each shard group is compressed; the replicate all-reduce stays
-  uncompressed and is not counted in :class:`CommStats`.
+* HSDP: FSDP2 (checked in torch 2.13) has no extension point for its all-reduce over the replicate
+  dimension (``set_all_reduce_hook`` runs *after* it and cannot replace it). So with Squinch the trainer
+  shards the model over ``dp_shard`` alone and, after the backward pass, :class:`SquinchReplicateAllReduce`
+  averages the gradient shards over ``dp_replicate`` in Squinch bytes (not overlapped with the backward).
+  ``apply_squinch_fsdp`` on a native HSDP model compresses only the reduce-scatter and says so.
 
 Error feedback (optional): the residual ``input - decode(encode(input))`` of a rank's own encoding is kept
 in float32 and added to the next step's gradient before encoding, so compression error does not
@@ -188,40 +189,72 @@ def _compressed_all_reduce(flat: torch.Tensor, state: _DDPHookState, dtype: torc
     return result, None if residual is None else residual.reshape(-1)[:n]
 
 
+def _average(grads: list[tuple[torch.Tensor, torch.Tensor]], state: _DDPHookState) -> list[torch.Tensor]:
+    """Average each ``(key, gradient)`` over ``state.group``: gradients below ``min_numel`` together in one
+    plain all-reduce, the others together in one Squinch all-reduce. Returns the averages in order;
+    ``key`` (the parameter) names the gradient's error-feedback residual."""
+    world = state.group.size()
+    out: list[torch.Tensor | None] = [None] * len(grads)
+    small = [i for i, (_, g) in enumerate(grads) if g.numel() < state.min_numel]
+    large = [i for i, (_, g) in enumerate(grads) if g.numel() >= state.min_numel]
+    if small:
+        flat = torch.cat([grads[i][1].reshape(-1) for i in small])
+        state.stats.add(flat, flat.numel(), flat.dtype)
+        dist.all_reduce(flat, group=state.group)
+        flat.div_(world)
+        for i, part in zip(small, flat.split([grads[i][1].numel() for i in small]), strict=True):
+            out[i] = part
+    if large:
+        dtype = grads[large[0]][1].dtype
+        flat = torch.cat([grads[i][1].reshape(-1) for i in large]).float()
+        sizes = [grads[i][1].numel() for i in large]
+        residual = None
+        if state.error_feedback:
+            residual = torch.cat([state.residuals.get(grads[i][0], flat.new_zeros(n))
+                                  for i, n in zip(large, sizes, strict=True)])
+        reduced, residual = _compressed_all_reduce(flat, state, dtype, residual)
+        for i, part in zip(large, reduced.split(sizes), strict=True):
+            out[i] = part
+        if residual is not None:
+            for i, part in zip(large, residual.split(sizes), strict=True):
+                state.residuals[grads[i][0]] = part
+    return out
+
+
 def _squinch_ddp_hook(state: _DDPHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: compressed all-reduce of the large gradients, plain one of the small."""
     buffer = bucket.buffer()
-    world = state.group.size()
     with _side_stream_context(buffer.device, state.streams):
         out = torch.empty_like(buffer)
         slices = _bucket_slices(bucket)
-        small = [(o, n) for _, o, n in slices if n < state.min_numel]
-        large = [(p, o, n) for p, o, n in slices if n >= state.min_numel]
-        if small:
-            flat = torch.cat([buffer[o:o + n] for o, n in small])
-            state.stats.add(flat, flat.numel(), buffer.dtype)
-            dist.all_reduce(flat, group=state.group)
-            flat.div_(world)
-            for (o, n), part in zip(small, flat.split([n for _, n in small]), strict=True):
-                out[o:o + n] = part
-        if large:
-            flat = torch.cat([buffer[o:o + n] for _, o, n in large]).float()
-            residual = None
-            if state.error_feedback:
-                residual = torch.cat([
-                    state.residuals.get(p, torch.zeros(n, dtype=torch.float32, device=buffer.device))
-                    for p, _, n in large])
-            reduced, residual = _compressed_all_reduce(flat, state, buffer.dtype, residual)
-            sizes = [n for _, _, n in large]
-            for (_, o, n), part in zip(large, reduced.split(sizes), strict=True):
-                out[o:o + n] = part
-            if residual is not None:
-                for (p, _, _), part in zip(large, residual.split(sizes), strict=True):
-                    state.residuals[p] = part
+        averaged = _average([(p, buffer[o:o + n]) for p, o, n in slices], state)
+        for (_, o, n), part in zip(slices, averaged, strict=True):
+            out[o:o + n] = part
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future(
             devices=[buffer.device] if buffer.device.type == "cuda" else None)
         future.set_result(out)
     return future
+
+
+class SquinchReplicateAllReduce:
+    """HSDP with Squinch on both dimensions: FSDP2 shards over ``dp_shard`` only (its reduce-scatter goes
+    through :class:`SquinchReduceScatter`), and after the backward pass this averages every gradient shard
+    over the ``dp_replicate`` group in Squinch bytes, as the DDP hook does for a bucket. FSDP2 has no hook to
+    replace its own replicate all-reduce, so the model must not be laid out as native HSDP. Replicas decode
+    the same gathered bytes, so their gradients, and thus their parameters, stay identical."""
+
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, *, min_numel: int,
+                 error_feedback: bool, stats: CommStats) -> None:
+        _check_options(min_numel, stats)
+        self.params = params
+        self.state = _DDPHookState(group, min_numel, error_feedback, stats)
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        local = [(p, p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
+                 for p in self.params if p.grad is not None]
+        for (_, grad), averaged in zip(local, _average(local, self.state), strict=True):
+            grad.copy_(averaged.view_as(grad))
 
 
 def register_squinch_ddp_hook(model: DistributedDataParallel, process_group: dist.ProcessGroup | None, *,
@@ -322,41 +355,54 @@ def apply_squinch_fsdp(model: nn.Module, *, min_numel: int, error_feedback: bool
                        "dimension, so that all-reduce stays uncompressed", torch.__version__)
 
 
+@dataclass
+class GradientCompression:
+    """What :func:`apply_gradient_compression` installed. ``after_backward``, when set, must run once the
+    last micro-batch's backward is done and before the gradients are read (HSDP's replicate all-reduce)."""
+
+    after_backward: Callable[[], None] | None = None
+
+
+def replicate_all_reduce_replaced(comm, dims) -> bool:
+    """True when HSDP's all-reduce over ``dp_replicate`` goes through Squinch: the model is then sharded
+    over ``dp_shard`` alone (not as native HSDP) and :class:`SquinchReplicateAllReduce` averages replicas."""
+    return comm.gradient_compression == "squinch" and dims.fsdp_enabled and dims.dp_replicate > 1
+
+
 def apply_gradient_compression(model_parts: Sequence[nn.Module], comm, dims, stats: CommStats,
-                               log: Callable[[str], None] = print) -> bool:
+                               log: Callable[[str], None] = print) -> GradientCompression | None:
     """Install the gradient compression that ``comm`` (the ``[comm]`` config section) asks for.
 
     ``model_parts`` are the trainer's model parts after data parallelism was applied (``fully_shard``
     modules, or ``DistributedDataParallel`` wrappers when ``dims.ddp_enabled``); ``dims`` is the trainer's
-    ``ParallelDims``. Returns True when some gradient reduction now goes through Squinch (and counts into
-    ``stats``), False when there is nothing to compress (the reason is logged once through ``log``).
+    ``ParallelDims``. Returns None when there is nothing to compress (the reason is logged once through
+    ``log``); otherwise the gradient reductions now go through Squinch and count into ``stats``.
     """
     if comm.gradient_compression == "none":
-        return False
+        return None
     if comm.gradient_compression != "squinch":
         raise ValueError(f"comm.gradient_compression = {comm.gradient_compression!r}: expected 'none' or 'squinch'")
     options = {"min_numel": comm.min_numel, "error_feedback": comm.error_feedback, "stats": stats}
+    settings = f"min_numel {comm.min_numel}, error feedback {comm.error_feedback}"
     if dims.ddp_enabled:
         group = dims.submesh("dp").get_group()
         for part in model_parts:
             register_squinch_ddp_hook(part, group, **options)
-        log(f"gradient compression: Squinch on the DDP all-reduce over {dims.dp} ranks "
-            f"(min_numel {comm.min_numel}, error feedback {comm.error_feedback})")
-        return True
+        log(f"gradient compression: Squinch on the DDP all-reduce over {dims.dp} ranks ({settings})")
+        return GradientCompression()
     if not dims.fsdp_enabled:
         log("gradient compression: comm.gradient_compression = 'squinch' has nothing to compress "
             "(no data-parallel degree > 1, so no gradient reduction)")
-        return False
-    if dims.dp_shard == 1:
-        # FSDP2 skips the reduce-scatter of a one-rank shard group; its replicate all-reduce has no hook.
-        log(f"gradient compression: comm.gradient_compression = 'squinch' has nothing to compress with "
-            f"parallelism.dp_shard = 1 (FSDP2's all-reduce over dp_replicate = {dims.dp_replicate} cannot be "
-            f"replaced); set parallelism.dp_mode = 'ddp' to compress it")
-        return False
-    for part in model_parts:
-        apply_squinch_fsdp(part, **options)
-    replicate = (f"; the all-reduce over dp_replicate = {dims.dp_replicate} stays uncompressed"
-                 if dims.dp_replicate > 1 else "")
-    log(f"gradient compression: Squinch on the FSDP2 reduce-scatter over dp_shard = {dims.dp_shard} ranks "
-        f"(min_numel {comm.min_numel}, error feedback {comm.error_feedback}){replicate}")
-    return True
+        return None
+    if dims.dp_shard > 1:  # FSDP2 skips the reduce-scatter of a one-rank shard group
+        for part in model_parts:
+            apply_squinch_fsdp(part, **options)
+    compression = GradientCompression()
+    if replicate_all_reduce_replaced(comm, dims):
+        params = [p for part in model_parts for p in part.parameters()]
+        compression.after_backward = SquinchReplicateAllReduce(params, dims.submesh("dp_replicate").get_group(),
+                                                               **options)
+    log(f"gradient compression: Squinch on the FSDP2 reduce-scatter over dp_shard = {dims.dp_shard} ranks"
+        f"{f' and the all-reduce over dp_replicate = {dims.dp_replicate}' if dims.dp_replicate > 1 else ''} "
+        f"({settings})")
+    return compression

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch.distributed as dist
 import torch.nn as nn
 
+from torchtitan_ext.comm.compressed_collectives import replicate_all_reduce_replaced
 from torchtitan_ext.config.job_config import JobConfig
 from torchtitan_ext.config.loader import ConfigError
 from torchtitan_ext.models.mode import MoDE
@@ -40,13 +41,15 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, cfg: JobConfig, on
     if dims.fsdp_enabled or moe_under_tp:
         param_dtype = DTYPES[cfg.training.mixed_precision_param] if on_gpu and dims.fsdp_enabled \
             else DTYPES["float32"]  # without FSDP the blocks run under autocast
+        # Native HSDP on a 2-D mesh, unless Squinch replaces its replicate all-reduce (then FSDP shards over
+        # dp_shard alone and the trainer averages the replicas after the backward pass).
+        hsdp = dims.dp_replicate > 1 and not replicate_all_reduce_replaced(cfg.comm, dims)
         mesh = None
         if dims.fsdp_enabled:
-            mesh = (dims.submesh("dp_replicate", "dp_shard") if dims.dp_replicate > 1
-                    else dims.submesh("dp_shard"))
+            mesh = dims.submesh("dp_replicate", "dp_shard") if hsdp else dims.submesh("dp_shard")
         experts_mesh = None
         if dims.ep > 1:  # the data-parallel ranks left after EP; HSDP replicates the experts too
-            experts_mesh = (dims.submesh("dp_replicate", "dp_shard_mod_ep") if dims.dp_replicate > 1
+            experts_mesh = (dims.submesh("dp_replicate", "dp_shard_mod_ep") if hsdp
                             else dims.submesh("dp_shard_mod_ep"))
         apply_fsdp(model, mesh, param_dtype, DTYPES[cfg.training.mixed_precision_reduce],
                    reshard_after_forward=dims.pp == 1, experts_mesh=experts_mesh,

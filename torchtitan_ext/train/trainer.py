@@ -171,7 +171,9 @@ class Trainer:
         if dims.ddp_enabled:
             self.model_parts = [apply_ddp(m, dims.submesh("dp")) for m in self.model_parts]
         self.comm_stats: CommStats | None = CommStats()  # gradient bytes handed to the DP collectives
-        if not apply_gradient_compression(self.model_parts, cfg.comm, dims, self.comm_stats, log=self.log):
+        self.compression = apply_gradient_compression(self.model_parts, cfg.comm, dims, self.comm_stats,
+                                                      log=self.log)
+        if self.compression is None:
             self.comm_stats = None
         # Balancing losses scale like the main loss; under TP each rank averages them over its own slice of
         # the sequence and the slices' gradients are summed (see parallel/fsdp.py).
@@ -269,6 +271,8 @@ class Trainer:
             if self.has_moe and self.pp_schedule is None:
                 set_token_domains(self.model_parts, batch.domains.to(self.device))
             loss_sum += self.forward_backward(inputs, labels, micro == self.accum_steps - 1)
+        if self.compression is not None and self.compression.after_backward is not None:
+            self.compression.after_backward()
         params = [p for m in self.model_parts for p in m.parameters()]
         pp_group = self.dims.submesh("pp").get_group() if self.dims.pp > 1 else None
         grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_group)
