@@ -181,6 +181,10 @@ def test_load_counters_stay_exact_integers_in_bf16_models():
             layer(torch.randn(1, 1000, 16, dtype=torch.bfloat16))
     assert layer.load.dtype == layer.domain_load.dtype == torch.long
     assert int(layer.load.sum()) == int(layer.domain_load[0].sum()) == 3 * 1000 * 2  # bf16 would stop at 256s
+    layer.eval()  # evaluation batches must not steer the balancing bias nor the training metrics
+    with torch.no_grad():
+        layer(torch.randn(1, 1000, 16, dtype=torch.bfloat16))
+    assert int(layer.load.sum()) == int(layer.domain_load[0].sum()) == 3 * 1000 * 2
 
 
 def _masked_grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:

@@ -208,15 +208,20 @@ class MoDE(nn.Module):
         out = (y * gates.unsqueeze(-1).to(y.dtype)).sum(dim=1)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
-        with torch.no_grad():
-            self.load += counts
-            if self.token_domains is not None:
-                domain = self.token_domains[:, None].expand(shape[:-1]).reshape(-1).clamp(max=self.MAX_DOMAINS - 1)
-                self.domain_load.index_put_((domain.repeat_interleave(self.top_k), flat), torch.ones_like(flat),
-                                            accumulate=True)
+        if self.training:  # loads steer the balancing bias and the metrics: training tokens only
+            self._count_load(counts, flat, shape)
         if self.training and (self.aux_coef > 0 or self.z_coef > 0):
             out = AuxLoss.apply(out, self.balancing_loss(logits, idx, counts))
         return out.reshape(shape)
+
+    @torch.no_grad()
+    def _count_load(self, counts: torch.Tensor, flat: torch.Tensor, shape: torch.Size) -> None:
+        """Add this batch's routed copies per expert (and per domain, when the trainer set them)."""
+        self.load += counts
+        if self.token_domains is not None:
+            domain = self.token_domains[:, None].expand(shape[:-1]).reshape(-1).clamp(max=self.MAX_DOMAINS - 1)
+            self.domain_load.index_put_((domain.repeat_interleave(self.top_k), flat), torch.ones_like(flat),
+                                        accumulate=True)
 
     @torch.no_grad()
     def update_bias(self, global_load: torch.Tensor) -> None:
