@@ -188,7 +188,7 @@ class Trainer:
         # Ranks that route different tokens through the MoDE layers: data-parallel ranks, and under TP each
         # TP rank's slice of the sequence; expert loads are summed over them.
         moe_mesh = "dp_tp" if dims.tp > 1 else "dp"
-        self.moe_group = dims.submesh(moe_mesh).get_group() if dims.dp * dims.tp > 1 else None
+        self.moe_group = dims.submesh(moe_mesh).get_group() if self.has_moe and dims.dp * dims.tp > 1 else None
         self.optimizers = Optimizers(self.model_parts, cfg.optimizer)
         self.spike_guard = SpikeGuard(t.spike_factor, t.spike_window, t.spike_lr_scale, t.spike_guard)
         self.step = 0
