@@ -9,6 +9,8 @@ with the Switch loss on is covered in test_mode.py.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from trainer_utils import read_metrics, run_trainer
 
@@ -51,3 +53,16 @@ def test_experts_must_divide_over_ep_and_tp(tmp_path):
     assert errors and "parallelism.ep x tp = 2 x 2 does not divide model.n_experts = 6" in errors[0], \
         proc.stderr[-2000:]
     assert "exitcode  : 2" in proc.stderr and "exitcode  : 1" not in proc.stderr  # one clean line, no trace
+
+
+def test_pipeline_stages_report_every_layer_and_all_gradient_bytes(tmp_path):
+    """Under PP each stage measures its own MoDE layers and gradient bytes; rank 0's log merges them."""
+    proc = run_trainer(tmp_path, 4, *MODE, "--training.steps", "2", "--parallelism.pp", "2",
+                       "--parallelism.dp_shard", "2", "--training.local_batch_size", "2",
+                       "--comm.gradient_compression", "squinch")
+    n_params = int(re.search(r"model mode_debug: ([\d,]+) parameters", proc.stdout)[1].replace(",", ""))
+    for record in read_metrics(tmp_path):
+        assert all(f"moe/layers.{i}/imbalance" in record for i in range(4))  # layers 0-1 and 2-3
+        # every rank hands its whole unsharded float32 gradient to the reduce-scatter: both stages together
+        # hold every parameter once
+        assert record["comm/bytes_uncompressed"] == 4 * n_params

@@ -284,6 +284,27 @@ class Trainer:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dims.submesh("dp").get_group())
         return loss.item(), grad_norm.item(), lr
 
+    def _across_stages(self, stage_values: dict[str, float]) -> dict[str, float]:
+        """Metrics each pipeline stage measures on its own layers (MoDE loads, gradient bytes), merged for
+        rank 0's log: per-layer keys as they are, bytes summed over stages, the mean balancing losses
+        averaged over the stages that have MoDE layers. Without pipelining: as they are."""
+        if self.dims.pp == 1:
+            return stage_values
+        stages: list[dict[str, float] | None] = [None] * self.dims.pp
+        dist.all_gather_object(stages, stage_values, group=self.dims.submesh("pp").get_group())
+        merged: dict[str, float] = {}
+        means: dict[str, list[float]] = {}
+        for stage in stages:
+            for key, value in stage.items():
+                if key.startswith("comm/"):
+                    merged[key] = merged.get(key, 0.0) + value
+                elif key in ("moe/aux_loss", "moe/router_z_loss"):
+                    means.setdefault(key, []).append(value)
+                else:
+                    merged[key] = value
+        merged.update({key: sum(v) / len(v) for key, v in means.items()})
+        return merged
+
     @torch.no_grad()
     def evaluate(self) -> float | None:
         if self.val_loader is None or self.cfg.eval.steps == 0:
@@ -345,10 +366,11 @@ class Trainer:
                 if self.device.type == "cuda":
                     values["memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
                     values["memory_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
-                values.update(moe_metrics)
+                stage_values = dict(moe_metrics)
                 if self.comm_stats is not None:  # per step: compressed and uncompressed gradient bytes
-                    values.update({k: v / window_steps for k, v in self.comm_stats.as_dict().items()})
+                    stage_values.update({k: v / window_steps for k, v in self.comm_stats.as_dict().items()})
                     self.comm_stats.reset()
+                values.update(self._across_stages(stage_values))
                 if cfg.eval.interval and self.step % cfg.eval.interval == 0:
                     values["val_loss"] = self.evaluate()
                 self.metrics.log(self.step, {k: v for k, v in values.items() if v is not None})
