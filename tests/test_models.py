@@ -141,7 +141,11 @@ def test_mode_is_dropless_gate_weighted_sum_of_k_experts():
         ref = sum(g * ((torch.nn.functional.silu(flat[t] @ e.w1[i].t()) * (flat[t] @ e.w3[i].t())) @ e.w2[i].t())
                   for g, i in zip(gates[t], idx[t], strict=True))
         torch.testing.assert_close(out[t], ref, atol=2e-6, rtol=0)  # the router runs in float32
-    assert int(layer.load.sum()) == 2 * flat.shape[0]
+    assert int(layer.load.sum()) == 0  # evaluation does not count expert load
+    layer.train()
+    with torch.no_grad():
+        layer(x)
+    assert int(layer.load.sum()) == 2 * flat.shape[0]  # every token reached k = 2 experts
 
 
 def test_mode_active_parameters_by_hand():
