@@ -145,8 +145,9 @@ def _side_stream_context(device: torch.device, streams: dict[torch.device, torch
     return torch.cuda.stream(stream)
 
 
-class _DDPHookState:
-    """Options and per-parameter error-feedback residuals of one DDP model's hook."""
+class _AllReduceState:
+    """Options and per-parameter error-feedback residuals of one compressed all-reduce (a DDP model's hook, or
+    HSDP's replicate all-reduce)."""
 
     def __init__(self, group: dist.ProcessGroup, min_numel: int, error_feedback: bool, stats: CommStats):
         self.group = group
@@ -170,7 +171,7 @@ def _bucket_slices(bucket: dist.GradBucket) -> list[tuple[torch.Tensor, int, int
     return slices
 
 
-def _compressed_all_reduce(flat: torch.Tensor, state: _DDPHookState, dtype: torch.dtype,
+def _compressed_all_reduce(flat: torch.Tensor, state: _AllReduceState, dtype: torch.dtype,
                            residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Average float32 ``flat`` over the group in Squinch bytes; returns it and the new residual."""
     world = state.group.size()
@@ -189,7 +190,7 @@ def _compressed_all_reduce(flat: torch.Tensor, state: _DDPHookState, dtype: torc
     return result, None if residual is None else residual.reshape(-1)[:n]
 
 
-def _average(grads: list[tuple[torch.Tensor, torch.Tensor]], state: _DDPHookState) -> list[torch.Tensor]:
+def _average(grads: list[tuple[torch.Tensor, torch.Tensor]], state: _AllReduceState) -> list[torch.Tensor]:
     """Average each ``(key, gradient)`` over ``state.group``: gradients below ``min_numel`` together in one
     plain all-reduce, the others together in one Squinch all-reduce. Returns the averages in order;
     ``key`` (the parameter) names the gradient's error-feedback residual."""
@@ -221,7 +222,7 @@ def _average(grads: list[tuple[torch.Tensor, torch.Tensor]], state: _DDPHookStat
     return out
 
 
-def _squinch_ddp_hook(state: _DDPHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def _squinch_ddp_hook(state: _AllReduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: compressed all-reduce of the large gradients, plain one of the small."""
     buffer = bucket.buffer()
     with _side_stream_context(buffer.device, state.streams):
@@ -247,7 +248,7 @@ class SquinchReplicateAllReduce:
                  error_feedback: bool, stats: CommStats) -> None:
         _check_options(min_numel, stats)
         self.params = params
-        self.state = _DDPHookState(group, min_numel, error_feedback, stats)
+        self.state = _AllReduceState(group, min_numel, error_feedback, stats)
 
     @torch.no_grad()
     def __call__(self) -> None:
@@ -269,7 +270,7 @@ def register_squinch_ddp_hook(model: DistributedDataParallel, process_group: dis
                          f"got {type(model).__name__}")
     _check_options(min_numel, stats)
     group = process_group if process_group is not None else dist.group.WORLD
-    model.register_comm_hook(_DDPHookState(group, min_numel, error_feedback, stats), _squinch_ddp_hook)
+    model.register_comm_hook(_AllReduceState(group, min_numel, error_feedback, stats), _squinch_ddp_hook)
 
 
 def _apply_reduce_op(total: torch.Tensor, op: object, world: int) -> torch.Tensor:

@@ -75,8 +75,9 @@ class ParallelDims:
     @cached_property
     def mesh(self) -> DeviceMesh:
         """The world mesh with every dimension, plus flattened views ``dp``, ``dp_shard`` and, with TP,
-        ``dp_shard_tp`` and ``dp_shard_mod_ep_tp`` (the ranks that see different tokens inside a MoDE layer,
-        whose parameters are sharded over them)."""
+        ``dp_shard_tp`` / ``dp_tp`` (the ranks that route different tokens through a MoDE layer: its
+        parameters are sharded over the first, its expert loads summed over the second) and, with EP,
+        ``ep_tp`` (the ranks its experts are sharded over)."""
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
         names = ["pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp"]
         sizes = [self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp]

@@ -58,18 +58,15 @@ def check_ep(n_experts: int, ep: int, tp: int = 1) -> None:
                          f"parallelism the experts are sharded over the ep x tp ranks)")
 
 
-def apply_ep(model: nn.Module, mesh: DeviceMesh, data_parallel_share: int) -> list[nn.Module]:
-    """Shard every MoDE layer's experts over ``mesh``; returns the expert modules (FSDP wraps them apart).
+def apply_ep(model: nn.Module, mesh: DeviceMesh, data_parallel_share: int) -> None:
+    """Shard every MoDE layer's experts over ``mesh`` (FSDP then shards them on their own mesh).
 
     ``mesh`` is the ``ep`` ranks, or under TP the ``ep x tp`` ranks (each TP rank routes its own slice of
     the sequence, so TP ranks hold experts too). An expert's gradient sums the tokens of the whole mesh, of
     which ``data_parallel_share`` (= ep) data-parallel ranks' worth FSDP then averages again: it is scaled
     by 1 / ep."""
-    experts = []
     for block in model.layers.values():
         if isinstance(block.feed_forward, MoDE):
             module = block.feed_forward.experts
             distribute_module(module, mesh, _shard_experts, _dispatch, _combine)
             module.grad_scale = 1.0 / data_parallel_share
-            experts.append(module)
-    return experts
