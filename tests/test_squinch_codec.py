@@ -190,6 +190,13 @@ def _boundary_values() -> torch.Tensor:
             b = torch.tensor((2 * j - 1) ** 2 * maxabs / 900, dtype=torch.float32)
             for v in (torch.nextafter(b, torch.tensor(0.0)), b, torch.nextafter(b, torch.tensor(INF))):
                 values += [top, v, -v, v, top * 0.5, v, -v, v]  # whole blocks sharing the max `top`
+    for q_max in range(255):
+        # The float32 products (2j - 1)^2 * S the codec compares against, for every q_max.
+        top = torch.nextafter(squinch.QMAX_THRESHOLDS[q_max + 1], torch.tensor(0.0))
+        for j in range(1, 16):
+            b = torch.tensor(float((2 * j - 1) ** 2)) * squinch.SCALES[q_max]
+            for v in (torch.nextafter(b, torch.tensor(0.0)), b, torch.nextafter(b, torch.tensor(INF))):
+                values += [top, v, -v, v, top * 0.5, v, -v, v]
     flat = torch.stack([v.reshape(()) for v in values])
     return torch.nn.functional.pad(flat, (0, (-flat.numel()) % 8))
 

@@ -1,14 +1,15 @@
 """Triton kernels for the Squinch codec, byte-identical to ``squinch.encode_reference``/``decode_reference``.
 
 Bit-identity without matching libm: ``tl.log``, ``tl.sqrt`` and ``/`` are approximate on NVIDIA GPUs, so the
-kernels use them only for a first guess of ``q_max`` and ``q_i`` and then settle each value with the same
-comparisons the reference makes (against ``QMAX_THRESHOLDS`` and the float32 products ``(2j - 1)^2 * S``).
-The guess is off by at most one step (its error is ~1e-6 of a step), so checking the two neighbouring
-thresholds gives the exact count. Decoding is one float32 product per value and a sign-bit flip.
+kernels use them only for a first guess and then settle each value with the comparisons the reference makes
+(against ``QMAX_THRESHOLDS`` and the float32 products ``(2j - 1)^2 * S``). The guess errs by ~1e-6 of a step:
+``q_max`` checks the two neighbouring thresholds, ``q_i`` the one boundary it can be near. Decoding is one
+float32 product per value and a sign-bit flip.
 
-Each program handles ``BLOCKS`` blocks of 8 as a [BLOCKS, 8] tile: the loads of values and the stores of bytes
-are contiguous across the tile, and per-block reductions (max, sign byte, nibble word) stay in registers.
-Offsets are int64 so tensors above 2^31 values work.
+Each program handles ``BLOCKS`` blocks of 8 as a [BLOCKS, 8] tile: loads are contiguous across the tile and
+per-block reductions (max, sign byte, nibble word) stay in registers. The encoder writes each block's 6 bytes
+as three 16-bit stores; byte stores masked to 6 of 8 columns ran at half the speed (benchmarks/RESULTS.md).
+Tile bases are int64 so tensors above 2^31 values work.
 """
 
 from __future__ import annotations
@@ -19,23 +20,28 @@ import triton.language as tl
 
 from torchtitan_ext.comm import squinch
 
-_FLT_MAX = tl.constexpr(3.4028234663852886e38)
+_INF_BITS = tl.constexpr(0x7F800000)
 _ENCODE_BLOCKS = 512
 _DECODE_BLOCKS = 512
 _NUM_WARPS = 4
 
 
 @triton.jit
-def _encode_kernel(x_ptr, out_ptr, thresholds_ptr, scales_ptr, n, n_blocks, BLOCKS: tl.constexpr):
-    blocks = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
+def _encode_kernel(x_ptr, out_ptr, thresholds_ptr, scales_ptr, inverse_scales_ptr, n, n_blocks,
+                   BLOCKS: tl.constexpr):
+    first = tl.program_id(0).to(tl.int64) * BLOCKS  # 64-bit base, 32-bit offsets within the tile
+    blocks = tl.arange(0, BLOCKS)
     lanes = tl.arange(0, 8)
     idx = blocks[:, None] * 8 + lanes[None, :]
-    x = tl.load(x_ptr + idx, mask=idx < n, other=0.0).to(tl.float32)
-    mag = tl.abs(x)
-    finite = tl.sum((mag <= _FLT_MAX).to(tl.int32), axis=1) == 8  # NaN fails the comparison
+    x = tl.load(x_ptr + first * 8 + idx, mask=idx < n - first * 8, other=0.0).to(tl.float32)
+    # |x| as float32 bits: one integer max per block gives both the block max and whether it is finite.
+    bits = x.to(tl.int32, bitcast=True)
+    abs_bits = bits & 0x7FFFFFFF
+    max_bits = tl.max(abs_bits, axis=1)
+    finite = max_bits < _INF_BITS  # NaN and Inf have the largest bit patterns
     # Non-finite blocks are encoded as zeros (then q_max = 255): no NaN/Inf reaches a float-to-int cast.
-    mag = tl.where(finite[:, None], mag, 0.0)
-    block_max = tl.max(mag, axis=1)
+    mag = tl.where(finite[:, None], abs_bits, 0).to(tl.float32, bitcast=True)
+    block_max = tl.where(finite, max_bits, 0).to(tl.float32, bitcast=True)
 
     # q_max: guess with the (approximate) log, then settle against the exact thresholds T[q0], T[q0 + 1].
     guess = 6.0 * tl.log(tl.maximum(block_max, 1e-30)) + 129.0
@@ -44,27 +50,29 @@ def _encode_kernel(x_ptr, out_ptr, thresholds_ptr, scales_ptr, n, n_blocks, BLOC
     above = tl.load(thresholds_ptr + q0 + 1)
     q_max = q0 + (block_max >= above).to(tl.int32) - (block_max < below).to(tl.int32)
 
-    # q_i: guess round(sqrt(|x| / S) / 2), then settle against (2 q0 - 1)^2 S and (2 q0 + 1)^2 S.
+    # q_i: j = round(sqrt(|x| / S) / 2 + 1/2) is the one level whose boundary (2j - 1)^2 S the value can be
+    # near (sqrt(|x| / S) = 2j - 1 there; a guess error only moves j where sqrt(|x| / S) is an even number,
+    # half-way between boundaries, and both neighbours then give the same q). One exact comparison settles q.
     scale = tl.load(scales_ptr + q_max)[:, None]
-    root = tl.sqrt(mag * (1.0 / scale))
-    q = tl.minimum((root + 1.0) * 0.5, 15.0).to(tl.int32)
-    lower = ((2 * q - 1) * (2 * q - 1)).to(tl.float32) * scale
-    upper = ((2 * q + 1) * (2 * q + 1)).to(tl.float32) * scale
-    q = q + ((q < 15) & (mag >= upper)).to(tl.int32) - ((q > 0) & (mag < lower)).to(tl.int32)
-    q = tl.where(finite[:, None], q, 0)
+    inverse_scale = tl.load(inverse_scales_ptr + q_max)[:, None]
+    j = tl.floor(tl.minimum(tl.sqrt(mag * inverse_scale) * 0.5 + 1.0, 16.0))
+    edge = 2.0 * j - 1.0  # small integers: exact in float32, so edge * edge * S is the reference's product
+    q = tl.minimum(j - (mag < edge * edge * scale).to(tl.float32), 15.0).to(tl.uint32)
 
     # Pack: sign byte (IEEE sign bits), nibble word (byte 2 + j = element 2j high, 2j + 1 low) little-endian.
-    negative = (x.to(tl.int32, bitcast=True) < 0) & finite[:, None]
-    sign_byte = tl.sum(negative.to(tl.int32) << lanes[None, :], axis=1)
-    nibble_shift = 8 * (lanes // 2) + 4 * (1 - lanes % 2)
-    word = tl.sum(q.to(tl.uint32) << nibble_shift[None, :].to(tl.uint32), axis=1).to(tl.int32, bitcast=True)
-    q_max = tl.where(finite, q_max, 255)
+    sign_byte = tl.sum((bits < 0).to(tl.uint32) << lanes[None, :].to(tl.uint32), axis=1)
+    nibble_shift = (8 * (lanes // 2) + 4 * (1 - lanes % 2)).to(tl.uint32)
+    word = tl.sum(q << nibble_shift[None, :], axis=1)
+    sign_byte = tl.where(finite, sign_byte, 0)
+    word = tl.where(finite, word, 0)
+    q_max = tl.where(finite, q_max, 255).to(tl.uint32)
 
-    col = lanes[None, :]
-    word_byte = (word[:, None] >> (8 * tl.maximum(col - 2, 0))) & 255
-    out = tl.where(col == 0, q_max[:, None], tl.where(col == 1, sign_byte[:, None], word_byte))
-    mask = (col < 6) & (blocks[:, None] < n_blocks)
-    tl.store(out_ptr + blocks[:, None] * 6 + col, out.to(tl.uint8), mask=mask)
+    # A block's 6 bytes as three 16-bit stores (out_ptr is an int16 view; block b at halves 3b..3b + 2).
+    out = out_ptr + first * 3 + blocks * 3
+    valid = blocks < n_blocks - first
+    tl.store(out, (q_max | (sign_byte << 8)).to(tl.int16), mask=valid)
+    tl.store(out + 1, (word & 0xFFFF).to(tl.int16), mask=valid)
+    tl.store(out + 2, (word >> 16).to(tl.int16), mask=valid)
 
 
 @triton.jit
@@ -89,6 +97,9 @@ def _decode_kernel(enc_ptr, out_ptr, scales_ptr, n, n_blocks, BLOCKS: tl.constex
     tl.store(out_ptr + idx, value, mask=idx < n)
 
 
+_inverse_scales: dict[torch.device, torch.Tensor] = {}
+
+
 def encode(x: torch.Tensor) -> torch.Tensor:
     """Encode a flat float32/bf16/fp16 tensor; see ``squinch.encode``."""
     x = x.contiguous()
@@ -97,8 +108,11 @@ def encode(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(n_blocks * squinch.BLOCK_BYTES, dtype=torch.uint8, device=x.device)
     if n_blocks:
         thresholds, scales, _ = squinch.tables(x.device)
+        if x.device not in _inverse_scales:  # 1 / S, for the first guess of q_i only
+            _inverse_scales[x.device] = 1.0 / scales
         grid = (triton.cdiv(n_blocks, _ENCODE_BLOCKS),)
-        _encode_kernel[grid](x, out, thresholds, scales, n, n_blocks, BLOCKS=_ENCODE_BLOCKS, num_warps=_NUM_WARPS)
+        _encode_kernel[grid](x, out.view(torch.int16), thresholds, scales, _inverse_scales[x.device], n, n_blocks,
+                             BLOCKS=_ENCODE_BLOCKS, num_warps=_NUM_WARPS)
     return out
 
 
