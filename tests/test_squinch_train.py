@@ -4,18 +4,21 @@ For FSDP (``dp_mode = "fsdp"``, the FSDP2 reduce-scatter) and DDP (``dp_mode = "
 uncompressed and one Squinch run with the same seed and data: the final loss agrees within 2%, and
 ``metrics.jsonl`` reports per step the Squinch bytes sent next to the uncompressed float32 bytes they replace.
 Those four 300-step runs take several minutes on a 2-core CPU, hence ``slow``; a few-step run per mode
-checks the wiring in the fast suite.
+checks the wiring in the fast suite. With error feedback, a run resumed from a checkpoint continues exactly
+as the uninterrupted one (each rank's residuals are saved beside the checkpoint), and one resumed under
+another layout restarts its residuals from zero and says so.
 """
 
 from __future__ import annotations
 
 import math
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from trainer_utils import read_metrics, run_trainer
+from trainer_utils import losses, read_metrics, run_trainer
 
 from torchtitan_ext.comm.squinch import BLOCK, BLOCK_BYTES
 from torchtitan_ext.config.loader import parse_args
@@ -140,3 +143,90 @@ def test_hsdp_compresses_both_dimensions(tmp_path: Path) -> None:
         assert s["loss"] == pytest.approx(p["loss"], rel=0.02), s["step"]
         # reduce-scatter and replicate all-reduce, both 6/32 of float32 but for the small norm weights
         assert FP32_RATIO <= s["comm/bytes_sent"] / s["comm/bytes_uncompressed"] < FP32_RATIO * 1.02
+
+
+# Error feedback across a resume: 8 steps straight with checkpoints at 4 and 8, then resumed from step 4.
+EF = ["--comm.gradient_compression", "squinch", "--comm.error_feedback", "true"]
+EF_CKPT = ["--training.steps", "8", "--checkpoint.enabled", "true", "--checkpoint.interval", "4"]
+RESIDUALS = "squinch_residuals"
+
+
+def _straight_ef_run(dump: Path, mode: str) -> Path:
+    # FSDP saves asynchronously (step 4's residuals are snapshotted at save time, published at step 8).
+    extra = ["--checkpoint.async_mode", "async"] if mode == "fsdp" else []
+    run_trainer(dump, WORLD, *EF_CKPT, "--checkpoint.keep_latest_k", "0", *MODES[mode], *EF, *extra)
+    return dump
+
+
+@pytest.fixture(scope="module")
+def ef_fsdp(tmp_path_factory) -> Path:
+    return _straight_ef_run(tmp_path_factory.mktemp("ef_fsdp"), "fsdp")
+
+
+@pytest.fixture(scope="module")
+def ef_ddp(tmp_path_factory) -> Path:
+    return _straight_ef_run(tmp_path_factory.mktemp("ef_ddp"), "ddp")
+
+
+def _resume_ef(straight: Path, dest: Path, nproc: int, *overrides: str, drop_residuals: bool = False):
+    """Copy ``straight``'s step-4 checkpoint into ``dest`` and run on to step 8 there."""
+    shutil.copytree(straight / "checkpoint" / "step-4", dest / "checkpoint" / "step-4")
+    if drop_residuals:  # as a checkpoint saved without error feedback
+        shutil.rmtree(dest / "checkpoint" / "step-4" / RESIDUALS)
+    return run_trainer(dest, nproc, *EF_CKPT, *overrides)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_error_feedback_resume_is_exact(request, tmp_path: Path, mode: str) -> None:
+    """Every rank's residuals are in the checkpoint; resumed under the same layout, the run's losses are
+    bit for bit the uninterrupted run's (without the residuals they differ from step 6 on, see below)."""
+    straight = request.getfixturevalue(f"ef_{mode}")
+    for step in (4, 8):
+        for rank in range(WORLD):
+            saved = torch.load(straight / "checkpoint" / f"step-{step}" / RESIDUALS / f"rank-{rank}.pt",
+                               weights_only=True)
+            assert saved["fingerprint"]["rank"] == rank and saved["fingerprint"]["world_size"] == WORLD
+            assert f"({mode})" in saved["fingerprint"]["layout"]
+            names = list(saved["residuals"])
+            assert names and all(n.startswith(f"{mode}/") for n in names), names[:3]
+            assert all(r.isfinite().all() for r in saved["residuals"].values())
+            assert any(r.abs().max() > 0 for r in saved["residuals"].values())
+    proc = _resume_ef(straight, tmp_path, WORLD, *MODES[mode], *EF)
+    assert proc.stdout.count("error-feedback residuals restored from") == 1
+    assert "restart from zero" not in proc.stdout
+    ref, resumed = losses(straight), losses(tmp_path)
+    assert sorted(resumed) == [5, 6, 7, 8]
+    for step in resumed:
+        assert resumed[step] == ref[step], step
+
+
+def test_checkpoint_without_residuals(ef_ddp: Path, tmp_path: Path) -> None:
+    """A checkpoint without residuals (saved with error feedback off): they restart from zero, which is
+    logged, and the losses then differ from the uninterrupted run's (the exact test above is not vacuous)."""
+    proc = _resume_ef(ef_ddp, tmp_path, WORLD, *MODES["ddp"], *EF, drop_residuals=True)
+    assert proc.stdout.count("error-feedback residuals restart from zero: the checkpoint has none") == 1
+    ref, resumed = losses(ef_ddp), losses(tmp_path)
+    assert resumed[5] == ref[5]  # the residuals first act on step 5's gradients, seen in step 6's loss
+    assert any(resumed[step] != ref[step] for step in (6, 7, 8))
+
+
+def test_other_layout_restarts_residuals(ef_fsdp: Path, tmp_path: Path) -> None:
+    """FSDP (dp_shard 2) checkpoint resumed as HSDP with Squinch on the replicate all-reduce (dp_replicate 2):
+    the layout fingerprint differs, so the residuals restart from zero (logged once); the new layout then
+    saves its own (per parameter, of the replicate all-reduce)."""
+    proc = _resume_ef(ef_fsdp, tmp_path, WORLD, "--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "1",
+                      *EF)
+    assert proc.stdout.count("error-feedback residuals restart from zero: layout changed") == 1
+    assert sorted(losses(tmp_path)) == [5, 6, 7, 8]
+    saved = torch.load(tmp_path / "checkpoint" / "step-8" / RESIDUALS / "rank-1.pt", weights_only=True)
+    assert "dp_replicate 2 x dp_shard 1" in saved["fingerprint"]["layout"]
+    assert saved["residuals"] and all(n.startswith("replicate/") for n in saved["residuals"])
+
+
+def test_one_process_resume(ef_fsdp: Path, tmp_path: Path) -> None:
+    """One process has no gradient reduction to compress, hence no residuals: the 2-process checkpoint
+    (residual files included) still resumes, and no residuals are saved."""
+    proc = _resume_ef(ef_fsdp, tmp_path, 0, "--training.local_batch_size", "8", *EF)
+    assert proc.stdout.count("has nothing to compress") == 1
+    assert sorted(losses(tmp_path)) == [5, 6, 7, 8]
+    assert not (tmp_path / "checkpoint" / "step-8" / RESIDUALS).exists()

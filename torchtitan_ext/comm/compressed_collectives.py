@@ -21,14 +21,16 @@ reduction in float32 after decoding, so no low-precision arithmetic happens on t
 Error feedback (optional): the residual ``input - decode(encode(input))`` of a rank's own encoding is kept
 in float32 and added to the next step's gradient before encoding, so compression error does not
 accumulate as a bias over steps. A non-finite residual entry is reset to zero: the step that produced it
-is skipped by the trainer's guard and must not poison later steps.
+is skipped by the trainer's guard and must not poison later steps. The residuals are rank-local;
+:meth:`GradientCompression.residual_state` names them (parameter FQN for the all-reduces, FSDP module FQN
+for the reduce-scatters) so the checkpoint manager can save and restore each rank's own.
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations against the real types.
 import logging
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -259,18 +261,20 @@ class SquinchReplicateAllReduce:
 
 
 def register_squinch_ddp_hook(model: DistributedDataParallel, process_group: dist.ProcessGroup | None, *,
-                              min_numel: int, error_feedback: bool, stats: CommStats) -> None:
+                              min_numel: int, error_feedback: bool, stats: CommStats) -> _AllReduceState:
     """Make ``model``'s gradient all-reduce go through Squinch (gradients below ``min_numel`` go plain).
 
     ``process_group`` is the DDP group (``None``: the default group). Gradients are averaged over it,
-    as DDP's own all-reduce does. Call before the first backward.
+    as DDP's own all-reduce does. Call before the first backward. Returns the hook's state (its residuals).
     """
     if not isinstance(model, DistributedDataParallel):
         raise ValueError(f"register_squinch_ddp_hook expects a DistributedDataParallel model, "
                          f"got {type(model).__name__}")
     _check_options(min_numel, stats)
     group = process_group if process_group is not None else dist.group.WORLD
-    model.register_comm_hook(_AllReduceState(group, min_numel, error_feedback, stats), _squinch_ddp_hook)
+    state = _AllReduceState(group, min_numel, error_feedback, stats)
+    model.register_comm_hook(state, _squinch_ddp_hook)
+    return state
 
 
 def _apply_reduce_op(total: torch.Tensor, op: object, world: int) -> torch.Tensor:
@@ -334,34 +338,92 @@ def _is_hsdp(module: nn.Module) -> bool:
                for p in module.parameters(recurse=False))
 
 
-def apply_squinch_fsdp(model: nn.Module, *, min_numel: int, error_feedback: bool, stats: CommStats) -> None:
+def apply_squinch_fsdp(model: nn.Module, *, min_numel: int, error_feedback: bool,
+                       stats: CommStats) -> dict[str, SquinchReduceScatter]:
     """Install a :class:`SquinchReduceScatter` on every FSDP2 module inside ``model`` (``model`` included).
 
     ``min_numel`` applies to each module's whole flat gradient (FSDP2 hands the reduce-scatter one flat
     tensor per module). Call after ``fully_shard``; on HSDP only the reduce-scatter is compressed.
+    Returns the installed reduce-scatters by their module's FQN in ``model`` (``""``: ``model`` itself).
     """
     _check_options(min_numel, stats)
     if _ReduceScatter is None or not hasattr(FSDPModule, "set_custom_reduce_scatter"):
         raise RuntimeError(f"Squinch for FSDP2 needs FSDPModule.set_custom_reduce_scatter and the FSDP2 "
                            f"ReduceScatter interface, missing in torch {torch.__version__}")
-    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    modules = {name: m for name, m in model.named_modules() if isinstance(m, FSDPModule)}
     if not modules:
         raise ValueError("apply_squinch_fsdp: no FSDP2 module (fully_shard) found inside the model")
-    hsdp = False
-    for module in modules:
-        module.set_custom_reduce_scatter(SquinchReduceScatter(min_numel, error_feedback, stats))
-        hsdp = hsdp or _is_hsdp(module)
-    if hsdp:
+    installed = {}
+    for name, module in modules.items():
+        installed[name] = SquinchReduceScatter(min_numel, error_feedback, stats)
+        module.set_custom_reduce_scatter(installed[name])
+    if any(_is_hsdp(m) for m in modules.values()):
         logger.warning("Squinch on HSDP: FSDP2 in torch %s has no custom all-reduce for the replicate "
                        "dimension, so that all-reduce stays uncompressed", torch.__version__)
+    return installed
+
+
+def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True)
 
 
 @dataclass
 class GradientCompression:
     """What :func:`apply_gradient_compression` installed. ``after_backward``, when set, must run once the
-    last micro-batch's backward is done and before the gradients are read (HSDP's replicate all-reduce)."""
+    last micro-batch's backward is done and before the gradients are read (HSDP's replicate all-reduce).
+
+    ``all_reduces`` and ``reduce_scatters`` hold the installed compressors under stable names, so that
+    :meth:`residual_state` / :meth:`load_residual_state` can carry this rank's error-feedback residuals
+    through a checkpoint. Names: ``ddp/<param FQN>`` and ``replicate/<param FQN>`` (the all-reduce
+    residuals, one per parameter), ``fsdp/<FSDP module FQN>`` (one per reduce-scatter), each after
+    ``part<i>/`` when there are several model parts (pipeline stages). The residuals are only meaningful
+    under the same parallel layout: the caller checks that before loading.
+    """
 
     after_backward: Callable[[], None] | None = None
+    # (name prefix, state, {parameter: FQN}) per compressed all-reduce.
+    all_reduces: list[tuple[str, _AllReduceState, dict[torch.Tensor, str]]] = field(default_factory=list)
+    reduce_scatters: dict[str, tuple[SquinchReduceScatter, torch.device]] = field(default_factory=dict)
+
+    def residual_state(self) -> dict[str, torch.Tensor]:
+        """This rank's error-feedback residuals by name, copied to the CPU (empty before the first step)."""
+        out = {}
+        for prefix, state, names in self.all_reduces:
+            out.update({prefix + names[param]: _cpu_copy(r) for param, r in state.residuals.items()})
+        for name, (reduce_scatter, _) in self.reduce_scatters.items():
+            if reduce_scatter.residual is not None:
+                out[name] = _cpu_copy(reduce_scatter.residual)
+        return out
+
+    def load_residual_state(self, residuals: dict[str, torch.Tensor]) -> None:
+        """Replace the residuals with ``residuals`` (from :meth:`residual_state` under the same layout);
+        the ones not named there restart from zero."""
+        known = set()
+        for prefix, state, names in self.all_reduces:
+            state.residuals = {}
+            for param, fqn in names.items():
+                known.add(prefix + fqn)
+                if (r := residuals.get(prefix + fqn)) is not None:
+                    local = param.to_local() if isinstance(param, DTensor) else param
+                    if r.numel() != local.numel():
+                        raise ValueError(f"error-feedback residual {prefix + fqn}: {r.numel()} values for a "
+                                         f"parameter of {local.numel()} on this rank")
+                    state.residuals[param] = r.to(device=local.device, dtype=torch.float32).reshape(-1)
+        for name, (reduce_scatter, device) in self.reduce_scatters.items():
+            known.add(name)
+            r = residuals.get(name)
+            reduce_scatter.residual = None if r is None else r.to(device=device, dtype=torch.float32)
+        if unknown := sorted(set(residuals) - known):
+            raise ValueError(f"error-feedback residuals of unknown tensors: {unknown[:5]}")
+
+
+def _param_names(part: nn.Module) -> dict[torch.Tensor, str]:
+    return {param: name for name, param in part.named_parameters()}
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    param = next(module.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
 
 
 def replicate_all_reduce_replaced(comm, dims) -> bool:
@@ -385,24 +447,31 @@ def apply_gradient_compression(model_parts: Sequence[nn.Module], comm, dims, sta
         raise ValueError(f"comm.gradient_compression = {comm.gradient_compression!r}: expected 'none' or 'squinch'")
     options = {"min_numel": comm.min_numel, "error_feedback": comm.error_feedback, "stats": stats}
     settings = f"min_numel {comm.min_numel}, error feedback {comm.error_feedback}"
+    prefixes = [f"part{i}/" if len(model_parts) > 1 else "" for i in range(len(model_parts))]
+    compression = GradientCompression()
     if dims.ddp_enabled:
         group = dims.submesh("dp").get_group()
-        for part in model_parts:
-            register_squinch_ddp_hook(part, group, **options)
+        for prefix, part in zip(prefixes, model_parts, strict=True):
+            state = register_squinch_ddp_hook(part, group, **options)
+            compression.all_reduces.append((f"{prefix}ddp/", state, _param_names(part)))
         log(f"gradient compression: Squinch on the DDP all-reduce over {dims.dp} ranks ({settings})")
-        return GradientCompression()
+        return compression
     if not dims.fsdp_enabled:
         log("gradient compression: comm.gradient_compression = 'squinch' has nothing to compress "
             "(no data-parallel degree > 1, so no gradient reduction)")
         return None
     if dims.dp_shard > 1:  # FSDP2 skips the reduce-scatter of a one-rank shard group
-        for part in model_parts:
-            apply_squinch_fsdp(part, **options)
-    compression = GradientCompression()
+        for prefix, part in zip(prefixes, model_parts, strict=True):
+            for fqn, reduce_scatter in apply_squinch_fsdp(part, **options).items():
+                module = part.get_submodule(fqn)
+                compression.reduce_scatters[f"{prefix}fsdp/{fqn}"] = (reduce_scatter, _device_of(module))
     if replicate_all_reduce_replaced(comm, dims):
         params = [p for part in model_parts for p in part.parameters()]
-        compression.after_backward = SquinchReplicateAllReduce(params, dims.submesh("dp_replicate").get_group(),
-                                                               **options)
+        replicate = SquinchReplicateAllReduce(params, dims.submesh("dp_replicate").get_group(), **options)
+        compression.after_backward = replicate
+        names = {p: prefix + "replicate/" + n for prefix, part in zip(prefixes, model_parts, strict=True)
+                 for p, n in _param_names(part).items()}
+        compression.all_reduces.append(("", replicate.state, names))
     log(f"gradient compression: Squinch on the FSDP2 reduce-scatter over dp_shard = {dims.dp_shard} ranks"
         f"{f' and the all-reduce over dp_replicate = {dims.dp_replicate}' if dims.dp_replicate > 1 else ''} "
         f"({settings})")

@@ -192,9 +192,16 @@ class Trainer:
         self.optimizers = Optimizers(self.model_parts, cfg.optimizer)
         self.spike_guard = SpikeGuard(t.spike_factor, t.spike_window, t.spike_lr_scale, t.spike_guard)
         self.step = 0
+        # Error-feedback residuals are rank-local: saved per rank, restored only under the same layout.
+        residuals = self.compression if self.compression is not None and cfg.comm.error_feedback else None
+        layout = dims.describe()
+        if dims.pp > 1:
+            p = cfg.parallelism
+            layout += (f"; pp schedule {p.pp_schedule}, {p.pp_virtual_stages} virtual stages, "
+                       f"split points {p.pp_split_points}")
         self.checkpointer = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, {
             "model": ModelParts(self.model_parts), "optimizer": self.optimizers,
-            "dataloader": self.loader, "train_state": self})
+            "dataloader": self.loader, "train_state": self}, residuals=residuals, layout=layout, log=self.log)
         self.step = self.checkpointer.load()
         if self.step:
             self.log(f"resumed from {self.checkpointer.folder}/step-{self.step}")
