@@ -1,6 +1,7 @@
 """MoDE under tensor parallelism (TP for attention): each TP rank routes its own slice of the sequence, the
-MoDE parameters are sharded over data-parallel x TP ranks, and with EP the experts over ep x tp ranks. The
-per-step losses and gradient norms equal one process's (same seed, data and global batch).
+MoDE parameters are sharded over data-parallel x TP ranks (replicated over dp_replicate under HSDP), and with
+EP the experts over ep x tp ranks. The per-step losses and gradient norms equal one process's (same seed, data
+and global batch).
 
 The Switch balancing loss is a product of per-group statistics, so it changes when a group of tokens is
 split; it is off here (the router z-loss, a mean over tokens, stays on). EP at the same data-parallel degree
@@ -22,6 +23,12 @@ LAYOUTS = {  # name: (processes, overrides); 4 sequences per step in each
     "fsdp2_tp2": (4, ["--parallelism.tp", "2", "--parallelism.dp_shard", "2", "--training.local_batch_size", "2"]),
     "fsdp2_ep2_tp2": (4, ["--parallelism.tp", "2", "--parallelism.dp_shard", "2", "--parallelism.ep", "2",
                           "--training.local_batch_size", "2"]),
+    # HSDP: the MoDE parameters are replicated over dp_replicate and sharded over dp_shard x tp.
+    "hsdp2_tp2": (4, ["--parallelism.tp", "2", "--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "1",
+                      "--training.local_batch_size", "2"]),
+    "hsdp2_fsdp2_ep2_tp2": (8, ["--parallelism.tp", "2", "--parallelism.dp_replicate", "2",
+                                "--parallelism.dp_shard", "2", "--parallelism.ep", "2",
+                                "--training.local_batch_size", "1"]),
 }
 
 

@@ -7,7 +7,6 @@ import torch.nn as nn
 
 from torchtitan_ext.comm.compressed_collectives import replicate_all_reduce_replaced
 from torchtitan_ext.config.job_config import JobConfig
-from torchtitan_ext.config.loader import ConfigError
 from torchtitan_ext.models.mode import MoDE
 from torchtitan_ext.parallel.activation_checkpoint import apply_activation_checkpointing
 from torchtitan_ext.parallel.compile import apply_compile
@@ -35,9 +34,6 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, cfg: JobConfig, on
         apply_compile(model)
     has_moe = any(isinstance(block.feed_forward, MoDE) for block in model.layers.values())
     moe_under_tp = dims.tp > 1 and has_moe
-    if moe_under_tp and dims.dp_replicate > 1:
-        raise ConfigError("parallelism.dp_replicate > 1 with tp > 1 and MoDE layers is not supported; use "
-                          "dp_shard (FSDP) for the data-parallel ranks")
     if dims.fsdp_enabled or moe_under_tp:
         param_dtype = DTYPES[cfg.training.mixed_precision_param] if on_gpu and dims.fsdp_enabled \
             else DTYPES["float32"]  # without FSDP the blocks run under autocast
@@ -51,6 +47,9 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, cfg: JobConfig, on
         if dims.ep > 1:  # the data-parallel ranks left after EP; HSDP replicates the experts too
             experts_mesh = (dims.submesh("dp_replicate", "dp_shard_mod_ep") if hsdp
                             else dims.submesh("dp_shard_mod_ep"))
+        moe_mesh = None
+        if moe_under_tp:  # HSDP replicates the MoDE parameters over dp_replicate too
+            moe_mesh = dims.submesh("dp_replicate", "dp_shard_tp") if hsdp else dims.submesh("dp_shard_tp")
         apply_fsdp(model, mesh, param_dtype, DTYPES[cfg.training.mixed_precision_reduce],
                    reshard_after_forward=dims.pp == 1, experts_mesh=experts_mesh,
-                   moe_mesh=dims.submesh("dp_shard_tp") if moe_under_tp else None, tp=dims.tp)
+                   moe_mesh=moe_mesh, tp=dims.tp)
