@@ -39,16 +39,30 @@ def reference(tmp_path_factory):
     return read_metrics(dump)
 
 
-@pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_mode_under_tp_matches_one_process(reference, tmp_path, name):
-    nproc, overrides = LAYOUTS[name]
-    run_trainer(tmp_path, nproc, *MODE, *overrides)
-    got = read_metrics(tmp_path)
+def _assert_matches_reference(reference: list[dict], got: list[dict]) -> None:
     assert [r["step"] for r in got] == [1, 2, 3, 4]
     for r, g in zip(reference, got, strict=True):
         assert g["loss"] == pytest.approx(r["loss"], rel=RTOL), r["step"]
         assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=GN_RTOL), r["step"]
         assert g["moe/layers.0/imbalance"] == r["moe/layers.0/imbalance"]  # loads summed over every slice
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_mode_under_tp_matches_one_process(reference, tmp_path, name):
+    nproc, overrides = LAYOUTS[name]
+    run_trainer(tmp_path, nproc, *MODE, *overrides)
+    _assert_matches_reference(reference, read_metrics(tmp_path))
+
+
+@pytest.mark.parametrize("name", ["tp2", "fsdp2_ep2_tp2"])
+def test_compiled_mode_under_tp_matches_one_process(reference, tmp_path, monkeypatch, name):
+    """Compiled, a MoDE block under TP or EP runs its experts eagerly between graphs (parallel/compile.py).
+    The job runs twice on one inductor cache: a warm cache once gave TP ranks wrong gradients."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    nproc, overrides = LAYOUTS[name]
+    for run in ("cold_cache", "warm_cache"):
+        run_trainer(tmp_path / run, nproc, *MODE, *overrides, "--training.compile", "true")
+        _assert_matches_reference(reference, read_metrics(tmp_path / run))
 
 
 def test_experts_must_divide_over_ep_and_tp(tmp_path):

@@ -194,6 +194,13 @@ class MoDE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
+        copies, counts, plan = self.dispatch_tokens(x, shape)
+        y = self.experts(copies, counts)
+        return self.combine_outputs(y, x, plan).reshape(shape)
+
+    def dispatch_tokens(self, x: torch.Tensor, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+        """Route x (tokens, dim) and copy each token to its k experts: (the copies sorted by expert, copies
+        per expert, what ``combine_outputs`` needs). Also counts the load and builds the balancing loss."""
         idx, gates, logits = self.route(x)
         flat = idx.flatten()  # copy j of token t sits at t * k + j
         # Routed copies per expert. A scatter-add keeps the shape static (bincount's output size depends on
@@ -201,18 +208,23 @@ class MoDE(nn.Module):
         counts = flat.new_zeros(self.n_experts).scatter_add_(0, flat, torch.ones_like(flat))
         order = flat.argsort(stable=True)  # token copies sorted by expert
         inv = inverse_permutation(order)
-        y = self.experts(dispatch_copies(x, order, inv, self.top_k), counts)
-        # Back to (token, copy) order, then the gate-weighted sum of each token's k copies: gathers and a
-        # reduction, no atomic scatter-adds (deterministic, and fast in bf16).
+        aux = None
+        if self.training:  # loads steer the balancing bias and the metrics: training tokens only
+            self._count_load(counts, flat, shape)
+            if self.aux_coef > 0 or self.z_coef > 0:
+                aux = self.balancing_loss(logits, idx, counts)
+        return dispatch_copies(x, order, inv, self.top_k), counts, (order, inv, gates, aux)
+
+    def combine_outputs(self, y: torch.Tensor, x: torch.Tensor, plan: tuple) -> torch.Tensor:
+        """The experts' rows ``y`` back in (token, copy) order, then each token's gate-weighted sum of its k
+        copies (gathers and a reduction, no atomic scatter-adds: deterministic, and fast in bf16), plus the
+        shared expert; the balancing loss rides along into the backward pass."""
+        order, inv, gates, aux = plan
         y = permute_rows(y, inv, order).view(x.shape[0], self.top_k, -1)
         out = (y * gates.unsqueeze(-1).to(y.dtype)).sum(dim=1)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
-        if self.training:  # loads steer the balancing bias and the metrics: training tokens only
-            self._count_load(counts, flat, shape)
-        if self.training and (self.aux_coef > 0 or self.z_coef > 0):
-            out = AuxLoss.apply(out, self.balancing_loss(logits, idx, counts))
-        return out.reshape(shape)
+        return out if aux is None else AuxLoss.apply(out, aux)
 
     @torch.no_grad()
     def _count_load(self, counts: torch.Tensor, flat: torch.Tensor, shape: torch.Size) -> None:

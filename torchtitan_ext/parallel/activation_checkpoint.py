@@ -10,6 +10,8 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from torchtitan_ext.models.mode import MoDE
+
 _SAVE_OPS = {
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
@@ -26,17 +28,23 @@ def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str, every: int) -> None:
+def apply_activation_checkpointing(model: nn.Module, mode: str, every: int, moe_fsdp_units: bool = False) -> None:
     """``mode`` "full": recompute each block; "selective" with ``every`` = 0: op-level policy above in
-    each block; "selective" with ``every`` = N: full recompute of every Nth block only."""
+    each block; "selective" with ``every`` = N: full recompute of every Nth block only.
+
+    ``moe_fsdp_units``: the MoDE layers (or their experts) are FSDP units of their own (EP, or TP). The
+    op-level policy cannot wrap a block holding one: torch's selective checkpointing then meets FSDP's hook
+    ops a different number of times in the recomputation and stops (pytorch/pytorch#196862, not in torch
+    <= 2.13). Those blocks are recomputed in full instead."""
     if mode == "none":
         return
     for i, (name, block) in enumerate(list(model.layers.items())):
+        op_level_unsafe = moe_fsdp_units and isinstance(block.feed_forward, MoDE)
         if mode == "selective" and every > 0:
             if i % every:
                 continue
             wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
-        elif mode == "selective":
+        elif mode == "selective" and not op_level_unsafe:
             wrapped = checkpoint_wrapper(
                 block, preserve_rng_state=False,
                 context_fn=partial(create_selective_checkpoint_contexts, _policy))

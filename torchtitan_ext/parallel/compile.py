@@ -5,10 +5,39 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from torchtitan_ext.models.mode import MoDE
 
-def apply_compile(model: nn.Module) -> None:
+
+def apply_compile(model: nn.Module, experts_in_graph: bool, tensor_parallel: bool) -> None:
+    """Compile each block as one graph (``fullgraph``), except MoDE blocks when ``experts_in_graph`` is
+    false: their experts run eagerly between compiled graphs (see ``_compile_around_experts``).
+
+    Under tensor parallelism the AOTAutograd cache is turned off: with a warm cache, TP ranks of a compiled
+    MoDE model were measured to load a backward graph that gave wrong gradients from the second step on
+    (torch 2.13, CPU: a rank's backward can differ from its peer's while the forward graph, the cache key,
+    is the same). Inductor's own kernel cache stays on."""
+    if tensor_parallel:
+        torch._functorch.config.enable_autograd_cache = False
     for name, block in list(model.layers.items()):
-        model.layers[name] = torch.compile(block, fullgraph=True)
+        inner = getattr(block, "_checkpoint_wrapped_module", block)
+        if isinstance(inner.feed_forward, MoDE) and not experts_in_graph:
+            _compile_around_experts(inner)
+        else:
+            model.layers[name] = torch.compile(block, fullgraph=True)
+
+
+def _compile_around_experts(block: nn.Module) -> None:
+    """Compile a MoDE block's attention, routing and combine, leaving the experts (and the two norms, which
+    torch.compile will not take as a module of their own) eager.
+
+    The experts cannot sit inside a graph under expert parallelism (the all-to-all's split sizes are read on
+    the host), when they or their MoDE layer are an FSDP unit of their own (FSDP's hooks run eagerly), or on
+    CPU (the grouped-GEMM fallback loops over groups whose sizes are data). ``Module.compile`` and compiled
+    methods keep every parameter's name."""
+    block.attention.compile(fullgraph=True)
+    moe = block.feed_forward
+    moe.dispatch_tokens = torch.compile(moe.dispatch_tokens, fullgraph=True)
+    moe.combine_outputs = torch.compile(moe.combine_outputs, fullgraph=True)
 
 
 def clean_fqn(name: str) -> str:
