@@ -33,17 +33,8 @@ parallelize.apply_compile = lambda model, experts_in_graph, tensor_parallel: com
 sys.exit(main(sys.argv[1:]))'
 
 runs=()
-run() {
-    local name=$1; shift
-    runs+=("$OUT/$name")
-    rm -rf "${OUT:?}/$name"
-    local t0=$SECONDS
-    timeout 240 "$@" --job.dump_folder "$OUT/$name" > "$OUT/$name.log" 2>&1
-    local rc=$?
-    echo "run $name: exit $rc after $((SECONDS - t0)) s"
-    if [ $rc != 0 ]; then grep -iE "error|exception|unsupported" "$OUT/$name.log" | tail -n 8; fi
-}
-run whole_block "$PY" -m torchtitan_ext.train "${ARGS[@]}" --training.compile true
-run around_experts "$PY" -c "$AROUND_EXPERTS" "${ARGS[@]}" --training.compile true
-run eager "$PY" -m torchtitan_ext.train "${ARGS[@]}" --training.compile false
+source benchmarks/run_job.sh
+run_job whole_block 240 "$PY" -m torchtitan_ext.train "${ARGS[@]}" --training.compile true
+run_job around_experts 240 "$PY" -c "$AROUND_EXPERTS" "${ARGS[@]}" --training.compile true
+run_job eager 240 "$PY" -m torchtitan_ext.train "${ARGS[@]}" --training.compile false
 "$PY" benchmarks/summarize.py "${runs[@]}"

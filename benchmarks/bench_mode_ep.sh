@@ -26,7 +26,7 @@ if [ "$SMOKE" = 1 ]; then
     export OMP_NUM_THREADS=1 CUDA_VISIBLE_DEVICES=""
     MODEL=(--job.device cpu --model.vocab_size 512 --training.seq_len 64 --training.local_batch_size 2
            --training.steps 10 --metrics.log_freq 2)
-    COMPILE_MODES=(false)
+    COMPILE_MODES=(false true)  # compiled EP runs on CPU too (experts eager between graphs)
     LIMIT=300
 else
     MODEL=(--model.dim 2048 --model.n_heads 16 --model.n_kv_heads 8 --model.n_layers 4 --model.n_experts 16
@@ -37,18 +37,13 @@ else
 fi
 
 runs=()
+source benchmarks/run_job.sh
 run() {
     local name=$1; shift
-    runs+=("$OUT/$name")
-    rm -rf "${OUT:?}/$name"
-    local t0=$SECONDS
-    timeout "$LIMIT" "$PY" -m torch.distributed.run --standalone --nproc_per_node 2 -m torchtitan_ext.train \
-        --config train_configs/mode_debug.toml --job.dump_folder "$OUT/$name" --data.tokenizer byte \
+    run_job "$name" "$LIMIT" "$PY" -m torch.distributed.run --standalone --nproc_per_node 2 -m torchtitan_ext.train \
+        --config train_configs/mode_debug.toml --data.tokenizer byte \
         --checkpoint.enabled false --eval.steps 0 --metrics.tensorboard false --optimizer.lr 3e-4 \
-        --lr_scheduler.warmup_steps 5 "${MODEL[@]}" "$@" > "$OUT/$name.log" 2>&1
-    local rc=$?
-    echo "run $name: exit $rc after $((SECONDS - t0)) s"
-    if [ $rc != 0 ]; then grep -v "^\s*$" "$OUT/$name.log" | grep -iE "error|exception|unsupported" | tail -n 8; fi
+        --lr_scheduler.warmup_steps 5 "${MODEL[@]}" "$@"
 }
 for compile in "${COMPILE_MODES[@]}"; do
     suffix=$([ "$compile" = true ] && echo _compiled || echo "")
