@@ -2,10 +2,15 @@
 
 User mistakes (config, layout, data files) end with one ``error:`` line and exit code 2; a diverged
 run ends with exit code 3; anything else is a bug and keeps its traceback.
+
+After a successful run (metrics closed, checkpoints written, process group destroyed) the process leaves
+without interpreter teardown: in CI, pipeline-parallel gloo runs that had finished every step were aborted
+there ("terminate called without an active exception", a C++ thread destroyed at exit).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch.distributed as dist
@@ -44,4 +49,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code != 0:
+        sys.exit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

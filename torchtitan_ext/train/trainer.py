@@ -340,6 +340,13 @@ class Trainer:
         return val.item()
 
     def train(self) -> None:
+        """Train to ``training.steps``, then evaluate; the metrics files are closed however it ends."""
+        try:
+            self._train_loop()
+        finally:
+            self.metrics.close()
+
+    def _train_loop(self) -> None:
         cfg, t = self.cfg, self.cfg.training
         tokens_per_step = self.global_batch_size * t.seq_len
         self.log(f"training {t.steps} steps from step {self.step}: global batch {self.global_batch_size} x "
@@ -389,4 +396,3 @@ class Trainer:
         if val is not None:
             self.log(f"validation loss {val:.4f}")
             self.metrics.log(self.step, {"val_loss": val})
-        self.metrics.close()
