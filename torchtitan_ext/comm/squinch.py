@@ -45,7 +45,7 @@ from __future__ import annotations
 import os
 import struct
 from decimal import Decimal, localcontext
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -100,13 +100,24 @@ QMAX_THRESHOLDS, SCALES = _build_tables()
 _ODD_SQUARES = torch.tensor([(2 * j - 1) ** 2 for j in range(1, 16)], dtype=torch.float32)
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-_device_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+class Tables(NamedTuple):
+    """The codec's tables on one device. ``inverse_scales`` (1 / S) only feeds the Triton encoder's first
+    guess of q_i, which exact comparisons then settle."""
+
+    thresholds: torch.Tensor
+    scales: torch.Tensor
+    odd_squares: torch.Tensor
+    inverse_scales: torch.Tensor
 
 
-def tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(QMAX_THRESHOLDS, SCALES, odd squares) on ``device``, cached so encoding does not copy them each call."""
+_device_tables: dict[torch.device, Tables] = {}
+
+
+def tables(device: torch.device) -> Tables:
+    """The tables on ``device``, cached so encoding does not copy them each call."""
     if device not in _device_tables:
-        _device_tables[device] = (QMAX_THRESHOLDS.to(device), SCALES.to(device), _ODD_SQUARES.to(device))
+        _device_tables[device] = Tables(QMAX_THRESHOLDS.to(device), SCALES.to(device), _ODD_SQUARES.to(device),
+                                        (1.0 / SCALES).to(device))
     return _device_tables[device]
 
 
@@ -127,7 +138,7 @@ def encode_reference(x: torch.Tensor) -> torch.Tensor:
     x = _flat_float(x).float()
     n = x.numel()
     padded = torch.nn.functional.pad(x, (0, (-n) % BLOCK)).view(-1, BLOCK)
-    thresholds, scales, odd_squares = tables(x.device)
+    thresholds, scales, odd_squares, _ = tables(x.device)
     mag = padded.abs()
     finite = torch.isfinite(padded).all(dim=1)
     # q_max = number of thresholds k = 1..254 that the block max reaches; non-finite blocks get 255.
@@ -161,7 +172,7 @@ def _check_encoded(encoded: torch.Tensor, numel: int) -> None:
 def decode_reference(encoded: torch.Tensor, numel: int) -> torch.Tensor:
     """Pure-torch decoder: ``sign * (2 q)^2 * S[q_max]`` in float32, padding dropped."""
     _check_encoded(encoded, numel)
-    _, scales, _ = tables(encoded.device)
+    scales = tables(encoded.device).scales
     blocks = encoded.view(-1, BLOCK_BYTES).long()
     q_max, sign_byte, nibble_bytes = blocks[:, 0], blocks[:, 1], blocks[:, 2:]
     q = torch.stack([nibble_bytes >> 4, nibble_bytes & 15], dim=2).reshape(-1, BLOCK)

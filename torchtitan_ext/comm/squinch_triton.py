@@ -97,9 +97,6 @@ def _decode_kernel(enc_ptr, out_ptr, scales_ptr, n, n_blocks, BLOCKS: tl.constex
     tl.store(out_ptr + idx, value, mask=idx < n)
 
 
-_inverse_scales: dict[torch.device, torch.Tensor] = {}
-
-
 def encode(x: torch.Tensor) -> torch.Tensor:
     """Encode a flat float32/bf16/fp16 tensor; see ``squinch.encode``."""
     x = x.contiguous()
@@ -107,11 +104,9 @@ def encode(x: torch.Tensor) -> torch.Tensor:
     n_blocks = triton.cdiv(n, squinch.BLOCK)
     out = torch.empty(n_blocks * squinch.BLOCK_BYTES, dtype=torch.uint8, device=x.device)
     if n_blocks:
-        thresholds, scales, _ = squinch.tables(x.device)
-        if x.device not in _inverse_scales:  # 1 / S, for the first guess of q_i only
-            _inverse_scales[x.device] = 1.0 / scales
+        t = squinch.tables(x.device)
         grid = (triton.cdiv(n_blocks, _ENCODE_BLOCKS),)
-        _encode_kernel[grid](x, out.view(torch.int16), thresholds, scales, _inverse_scales[x.device], n, n_blocks,
+        _encode_kernel[grid](x, out.view(torch.int16), t.thresholds, t.scales, t.inverse_scales, n, n_blocks,
                              BLOCKS=_ENCODE_BLOCKS, num_warps=_NUM_WARPS)
     return out
 
@@ -122,7 +117,7 @@ def decode(encoded: torch.Tensor, numel: int) -> torch.Tensor:
     n_blocks = encoded.numel() // squinch.BLOCK_BYTES
     out = torch.empty(numel, dtype=torch.float32, device=encoded.device)
     if n_blocks:
-        _, scales, _ = squinch.tables(encoded.device)
         grid = (triton.cdiv(n_blocks, _DECODE_BLOCKS),)
-        _decode_kernel[grid](encoded, out, scales, numel, n_blocks, BLOCKS=_DECODE_BLOCKS, num_warps=_NUM_WARPS)
+        _decode_kernel[grid](encoded, out, squinch.tables(encoded.device).scales, numel, n_blocks,
+                             BLOCKS=_DECODE_BLOCKS, num_warps=_NUM_WARPS)
     return out
