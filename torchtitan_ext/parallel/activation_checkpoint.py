@@ -28,16 +28,17 @@ def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str, every: int, moe_fsdp_units: bool = False) -> None:
+def apply_activation_checkpointing(model: nn.Module, mode: str, every: int, moe_fsdp_units: bool = False) -> int:
     """``mode`` "full": recompute each block; "selective" with ``every`` = 0: op-level policy above in
     each block; "selective" with ``every`` = N: full recompute of every Nth block only.
 
     ``moe_fsdp_units``: the MoDE layers (or their experts) are FSDP units of their own (EP, or TP). The
     op-level policy cannot wrap a block holding one: torch's selective checkpointing then meets FSDP's hook
     ops a different number of times in the recomputation and stops (pytorch/pytorch#196862, not in torch
-    <= 2.13). Those blocks are recomputed in full instead."""
+    <= 2.13). Those blocks are recomputed in full instead; returns how many were."""
+    in_full_instead = 0
     if mode == "none":
-        return
+        return in_full_instead
     for i, (name, block) in enumerate(list(model.layers.items())):
         op_level_unsafe = moe_fsdp_units and isinstance(block.feed_forward, MoDE)
         if mode == "selective" and every > 0:
@@ -49,5 +50,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int, moe_
                 block, preserve_rng_state=False,
                 context_fn=partial(create_selective_checkpoint_contexts, _policy))
         else:
+            in_full_instead += mode == "selective"
             wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
         model.layers[name] = wrapped
+    return in_full_instead

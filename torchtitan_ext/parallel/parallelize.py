@@ -30,14 +30,13 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, cfg: JobConfig, on
         apply_ep(model, dims.submesh("ep_tp" if dims.tp > 1 else "ep"), data_parallel_share=dims.ep)
     has_moe = any(isinstance(block.feed_forward, MoDE) for block in model.layers.values())
     moe_under_tp = dims.tp > 1 and has_moe
-    ac, moe_fsdp_units = cfg.activation_checkpoint, dims.ep > 1 or moe_under_tp
-    if moe_fsdp_units and ac.mode == "selective" and ac.selective_every == 0 and dist.get_rank() == 0:
+    moe_fsdp_units = dims.ep > 1 or moe_under_tp  # the experts (EP) or the MoDE layers (TP) shard on their own
+    ac = cfg.activation_checkpoint
+    if apply_activation_checkpointing(model, ac.mode, ac.selective_every, moe_fsdp_units) and dist.get_rank() == 0:
         print("activation_checkpoint: MoDE blocks under EP/TP are recomputed in full (torch's op-level "
               "selective checkpointing cannot wrap their FSDP units); other blocks use the op-level policy")
-    apply_activation_checkpointing(model, ac.mode, ac.selective_every, moe_fsdp_units)
-    if cfg.training.compile:  # experts join the block's graph only on GPU and when no EP/TP hook wraps them
-        apply_compile(model, experts_in_graph=on_gpu and dims.ep == 1 and not moe_under_tp,
-                      tensor_parallel=dims.tp > 1)
+    if cfg.training.compile:  # experts join the block's graph only on GPU and outside their own FSDP units
+        apply_compile(model, experts_in_graph=on_gpu and not moe_fsdp_units, tensor_parallel=dims.tp > 1)
     if dims.fsdp_enabled or moe_under_tp:
         param_dtype = DTYPES[cfg.training.mixed_precision_param] if on_gpu and dims.fsdp_enabled \
             else DTYPES["float32"]  # without FSDP the blocks run under autocast
