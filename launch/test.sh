@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Runs the test suite (CPU; GPU tests are skipped without CUDA). Extra arguments go to pytest.
+# An existing python3 is used only if it also has triton and torchao: otherwise the Triton-interpreter and
+# float8 tests would skip silently, so the virtual environment (its dev extra pins both) is used instead.
 set -euo pipefail
-NEEDS="torch, numpy, sentencepiece, tensorboard, pytest" source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
+NEEDS="torch, numpy, sentencepiece, tensorboard, pytest, triton, torchao" source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 cd "$REPO"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 exec "$PY" -m pytest -q "$@"

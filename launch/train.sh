@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Train with torchrun. No arguments: the default debug job on the built-in corpus, on every local GPU
 # when CUDA is present, else on 2 CPU processes with gloo. Extra arguments go to the trainer
-# (--config FILE, --section.key value). Multi-node: set NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT
-# (and NPROC_PER_NODE) the same way on every node.
+# (--config FILE, --section.key value). Multi-node: set NNODES, MASTER_ADDR, MASTER_PORT (and
+# NPROC_PER_NODE) the same way on every node; the nodes meet through a c10d rendezvous hosted on
+# MASTER_ADDR (node ranks are assigned by arrival, NODE_RANK is not needed; RDZV_ID names the job).
+# MAX_RESTARTS (default 3): when a worker dies, torchrun restarts every worker of the job that many times;
+# they resume from the latest checkpoint.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 cd "$REPO"
@@ -21,8 +24,8 @@ NNODES="${NNODES:-1}"
 if [ "$NNODES" = 1 ]; then
     rdzv=(--standalone)
 else
-    rdzv=(--nnodes "$NNODES" --node_rank "${NODE_RANK:?set NODE_RANK}" \
-          --master_addr "${MASTER_ADDR:?set MASTER_ADDR}" --master_port "${MASTER_PORT:-29500}")
+    rdzv=(--nnodes "$NNODES" --rdzv_backend c10d --rdzv_id "${RDZV_ID:-torchtitan_ext}" \
+          --rdzv_endpoint "${MASTER_ADDR:?set MASTER_ADDR}:${MASTER_PORT:-29500}")
 fi
 exec "$PY" -m torch.distributed.run "${rdzv[@]}" --nproc_per_node "$NPROC_PER_NODE" \
-    -m torchtitan_ext.train "${config[@]}" "$@"
+    --max_restarts "${MAX_RESTARTS:-3}" -m torchtitan_ext.train "${config[@]}" "$@"

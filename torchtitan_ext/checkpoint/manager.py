@@ -10,6 +10,12 @@ replicated-tensor semantics do not fit) go beside DCP's files into ``squinch_res
 layout fingerprint, written before the folder is published. A resume under the same layout restores them, so
 the run continues exactly; under another layout, or from a checkpoint without them, every rank restarts its
 residuals from zero and rank 0 logs one line saying why.
+
+A published ``step-N/`` that cannot be loaded (its ``.metadata`` or a shard file missing or truncated) is
+skipped with one line naming it and the checkpoint used instead; when every one is unreadable the job stops
+(``CheckpointUnreadable``, exit 2) rather than silently training from step 0, unless
+``checkpoint.allow_fresh_start``. An async save still pending when the job ends (normally or by an
+exception) is waited for and published if DCP finished writing it, else removed, never left half-done.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -60,6 +67,17 @@ class ModelParts:
     def load_state_dict(self, sd: dict) -> None:
         for m in self.parts:
             set_model_state_dict(m, sd, options=StateDictOptions(strict=False))
+
+
+class CheckpointUnreadable(RuntimeError):
+    """Checkpoints exist but none can be loaded (or the one ``load_step`` names cannot)."""
+
+
+def published_steps(folder: Path) -> list[int]:
+    """Steps with a ``step-N/`` folder (complete or damaged), ascending."""
+    if not folder.is_dir():
+        return []
+    return sorted(int(m.group(1)) for d in folder.iterdir() if (m := _STEP_DIR.match(d.name)))
 
 
 def complete_steps(folder: Path) -> list[int]:
@@ -102,21 +120,53 @@ class CheckpointManager:
         """Load the latest complete checkpoint (or ``load_step``); returns its step, 0 when none."""
         if not self.cfg.enabled:
             return 0
-        steps = complete_steps(self.folder)
+        steps = published_steps(self.folder)
         if self.cfg.load_step >= 0:
             if self.cfg.load_step not in steps:
                 raise FileNotFoundError(
                     f"checkpoint.load_step = {self.cfg.load_step}: no complete checkpoint "
-                    f"{self.folder}/step-{self.cfg.load_step} (found: {steps or 'none'})")
-            step = self.cfg.load_step
-        elif not steps:
+                    f"{self.folder}/step-{self.cfg.load_step} (found: {complete_steps(self.folder) or 'none'})")
+            steps = [self.cfg.load_step]
+        failed: list[str] = []
+        for step in reversed(steps):
+            path = self.folder / f"step-{step}"
+            why = self._try_load(path)
+            if why is None:
+                if failed and self.rank == 0:
+                    self.log(f"resuming from {path} instead (skipped unreadable: {', '.join(failed)})")
+                if self.residuals is not None:
+                    self._load_residuals(path)
+                return step
+            failed.append(path.name)
+            if self.rank == 0:
+                self.log(f"checkpoint {path} is unreadable ({why}); skipping it")
+        if not failed:
             return 0
+        if self.cfg.load_step >= 0:
+            raise CheckpointUnreadable(f"checkpoint.load_step = {self.cfg.load_step}: {self.folder}/step-"
+                                       f"{self.cfg.load_step} is unreadable")
+        if not self.cfg.allow_fresh_start:
+            raise CheckpointUnreadable(
+                f"{self.folder}: every checkpoint is unreadable ({', '.join(failed)}); not starting over "
+                f"from step 0 (set checkpoint.allow_fresh_start = true to do so, or checkpoint.folder)")
+        if self.rank == 0:
+            self.log(f"every checkpoint in {self.folder} is unreadable; starting from step 0 "
+                     f"(checkpoint.allow_fresh_start = true)")
+        return 0
+
+    def _try_load(self, path: Path) -> str | None:
+        """Load ``path`` into the states; the reason (the same on every rank) when any rank could not."""
+        why = None
+        if not (path / ".metadata").is_file():
+            why = "its .metadata file is missing"
         else:
-            step = steps[-1]
-        dcp.load(self.states, checkpoint_id=str(self.folder / f"step-{step}"))
-        if self.residuals is not None:
-            self._load_residuals(self.folder / f"step-{step}")
-        return step
+            try:
+                dcp.load(self.states, checkpoint_id=str(path))
+            except (Exception, CheckpointException) as e:  # any damage (missing/truncated shard, bad pickle)
+                why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+        reasons: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(reasons, why)
+        return next((r for r in reasons if r is not None), None)
 
     def _load_residuals(self, checkpoint: Path) -> None:
         """Restore this rank's residuals if every rank can under the same layout; else all restart at zero."""
@@ -168,6 +218,29 @@ class CheckpointManager:
         future.result()
         self.pending = None
         self._publish(tmp, final)
+
+    def finish_or_abandon(self, timeout_s: float = 600.0) -> None:
+        """On any exit path: wait for a pending async save (no collective, so a rank-local failure cannot
+        hang here); rank 0 publishes it if DCP wrote its metadata (every rank's data is then on disk), else
+        removes the partial folder."""
+        if self.pending is None:
+            return
+        future, tmp, final = self.pending
+        self.pending = None
+        try:
+            future.result(timeout=timeout_s)
+        except Exception as e:  # noqa: BLE001  the save itself failed or is stuck: abandon it below
+            self.log(f"pending checkpoint save {final.name} failed ({type(e).__name__}: {e})")
+        if self.rank != 0:
+            return
+        if (tmp / ".metadata").is_file():
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+            self.log(f"pending checkpoint save finished on exit: {final}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+            self.log(f"pending checkpoint save {final.name} abandoned on exit (incomplete, removed)")
 
     def _publish(self, tmp: Path, final: Path) -> None:
         dist.barrier()  # every rank's shard files are written before the folder becomes visible

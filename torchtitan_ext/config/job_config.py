@@ -45,6 +45,12 @@ class ModelSection:
     router_z_loss_coef: float = opt(-1.0, "-1: the flavor's; router z-loss coefficient", min=-1.0)
     bias_update_rate: float = opt(-1.0, "-1: the flavor's; > 0 enables auxiliary-loss-free balancing "
                                   "(per-expert routing bias step)", min=-1.0)
+    activation: str = opt("", "empty: the flavor's; swiglu or relu2 (squared ReLU, needed by quant.qat)",
+                          choices=("", "swiglu", "relu2"))
+    residual_scalars: bool = opt(False, "a learnable scalar (init 1) on each block's attention and FFN branch")
+    kv_share: str = opt("none", "interleaved: in each group of kv_share_group consecutive layers only the first "
+                        "computes K and V, the others reuse them", choices=("none", "interleaved"))
+    kv_share_group: int = opt(2, "layers per KV-sharing group", min=1)
 
 
 @dataclass
@@ -55,6 +61,8 @@ class TrainingSection:
     global_batch_size: int = opt(-1, "-1: local_batch_size x data-parallel degree; more means gradient "
                                  "accumulation", min=-1)
     max_norm: float = opt(1.0, "gradient clipping on the global norm; 0 disables", min=0.0)
+    max_skipped_steps: int = opt(5, "steps with non-finite gradients are skipped; stop after this many in a "
+                                 "row", min=1)
     mixed_precision_param: str = opt("bfloat16", "parameter dtype in forward/backward on GPU (CPU always "
                                      "float32)", choices=("bfloat16", "float32"))
     mixed_precision_reduce: str = opt("float32", "gradient reduction dtype",
@@ -63,7 +71,20 @@ class TrainingSection:
     attention_backend: str = opt("auto", "SDPA kernel on GPU: auto (cuDNN first on Hopper), cudnn, flash, "
                                  "efficient, math, or torch (PyTorch's own choice)",
                                  choices=("auto", "cudnn", "flash", "efficient", "math", "torch"))
+    kernels: str = opt("torch", "block kernels: torch, or triton (fused residual add + RMSNorm, fused "
+                       "SwiGLU / squared ReLU; GPU)", choices=("torch", "triton"))
+    fused_linear_ce: bool = opt(False, "output head + cross-entropy in token chunks, never holding the whole "
+                                "batch's float32 logits")
+    fused_linear_ce_chunk: int = opt(8192, "tokens per chunk of the fused linear cross-entropy", min=1)
     z_loss: float = opt(0.0, "coefficient of z-loss (logsumexp^2) on output logits", min=0.0)
+    attention_z_reg: float = opt(0.0, "gradient-only attention Z-regulariser: coef x logsumexp(attention "
+                                 "logits)^2 / (heads x layers), not part of the reported loss", min=0.0)
+    output_z_reg: float = opt(0.0, "gradient-only Z-regulariser on the output logits (not part of the reported "
+                              "loss; z_loss is the real-loss version)", min=0.0)
+    batch_warmup_tokens: int = opt(0, "ramp the global batch from batch_warmup_start to global_batch_size over "
+                                   "this many tokens, in whole micro-batches; 0: no ramp", min=0)
+    batch_warmup_start: int = opt(1, "micro-batches (local_batch_size x data-parallel degree sequences) per "
+                                  "step at the start of the batch warmup", min=1)
     spike_guard: bool = opt(True, "halve the LR after a loss spike (Zen report)")
     spike_factor: float = opt(1.5, "a spike is loss > factor x mean of the previous window", min=1.0)
     spike_window: int = opt(100, "losses averaged to detect a spike; also the LR-cut duration", min=1)
@@ -72,13 +93,17 @@ class TrainingSection:
 
 @dataclass
 class OptimizerSection:
-    name: str = opt("adamw", "optimizer", choices=("adamw",))
+    name: str = opt("adamw", "adamw, or muon (Newton-Schulz-orthogonalised momentum on the blocks' matrices, "
+                    "AdamW on embeddings, head, norms, routers; one lr for both)", choices=("adamw", "muon"))
     lr: float = opt(3e-4, "peak learning rate", min=0.0)
     beta1: float = opt(0.9, "AdamW beta1", min=0.0, max=1.0)
     beta2: float = opt(0.95, "AdamW beta2", min=0.0, max=1.0)
     eps: float = opt(1e-8, "AdamW epsilon", min=0.0)
     weight_decay: float = opt(0.1, "decoupled weight decay; never on norms, biases, embeddings", min=0.0)
     fused: bool = opt(True, "fused AdamW kernel on GPU")
+    muon_momentum: float = opt(0.95, "Muon momentum", min=0.0, max=1.0)
+    muon_nesterov: bool = opt(True, "Muon Nesterov momentum")
+    muon_ns_steps: int = opt(5, "Muon Newton-Schulz iterations", min=1, max=20)
 
 
 @dataclass
@@ -123,6 +148,10 @@ class CheckpointSection:
     keep_latest_k: int = opt(3, "complete checkpoints kept; 0 keeps all", min=0)
     async_mode: str = opt("disabled", "async saves overlap the next steps", choices=("disabled", "async"))
     load_step: int = opt(-1, "-1: resume from the latest complete checkpoint; N: that step", min=-1)
+    initial_load_path: str = opt("", "a Hugging Face folder (torchtitan_ext.export) whose weights start "
+                                 "training when the job has no checkpoint yet")
+    allow_fresh_start: bool = opt(False, "when every checkpoint in the folder is unreadable, start from step 0 "
+                                  "instead of stopping with exit 2")
 
 
 @dataclass
@@ -143,12 +172,30 @@ class DataSection:
     tokenizer_vocab_size: int = opt(4096, "vocabulary of the builtin tokenizer", min=260)
     cache_dir: str = opt("~/.cache/torchtitan_ext", "tokenizer and built-in shards cache")
     shuffle: bool = opt(True, "shuffle sequence windows (seeded, per epoch)")
+    domains: list = opt([], "[[data.domains]] tables {name, train, val, weight}: train on weighted domains "
+                        "(replaces train_path / val_path)")
+    mixing: str = opt("static", "domain weights: fixed, or the Zen update at every evaluation",
+                      choices=("static", "adaptive"))
+    mixing_rate: float = opt(0.01, "adaptive mixing step eta", min=0.0)
+    mixing_floor: float = opt(0.0, "adaptive mixing: smallest domain weight", min=0.0, max=1.0)
+    mixing_cap: float = opt(1.0, "adaptive mixing: largest domain weight", min=0.0, max=1.0)
+    packing: str = opt("concat", "concat: windows cut from the token stream; bfd: whole documents packed "
+                       "best-fit-decreasing into windows (padding ignored by the loss)", choices=("concat", "bfd"))
+    attention: str = opt("causal", "causal: one causal stream per window; document: tokens attend only within "
+                         "their document (documents end at end-of-text tokens); tree: shards of conversation "
+                         "trees (torchtitan_ext.data.trees), whole trees packed per window",
+                         choices=("causal", "document", "tree"))
+    position_reset: bool = opt(False, "RoPE positions restart at 0 in each document (document), or follow each "
+                               "token's root-to-node path (tree)")
 
 
 @dataclass
 class EvalSection:
     interval: int = opt(0, "evaluate on the validation split every N steps; 0: only at the end", min=0)
     steps: int = opt(10, "validation batches per evaluation; 0 disables evaluation", min=0)
+    use_ema: bool = opt(False, "evaluate the EMA weights ([ema] decay > 0)")
+    stride: int = opt(0, "python -m torchtitan_ext.eval: 0 scores non-overlapping windows; N > 0 slides "
+                      "windows by N tokens, each scored token seeing seq_len - N tokens of context", min=0)
 
 
 @dataclass
@@ -157,6 +204,7 @@ class CommSection:
                                     choices=("none", "squinch"))
     error_feedback: bool = opt(False, "add this step's compression residual to the next gradient")
     min_numel: int = opt(1024, "tensors smaller than this go uncompressed", min=0)
+    timeout_seconds: int = opt(1800, "process-group timeout: a collective stuck this long fails the job", min=1)
 
 
 @dataclass
@@ -169,6 +217,35 @@ class Float8Section:
     enable_fsdp_float8_all_gather: bool = opt(False, "all-gather FSDP params in float8 (tensorwise)")
     precompute_float8_dynamic_scale_for_fsdp: bool = opt(False, "one fused amax for all params "
                                                          "(tensorwise, FSDP float8 all-gather)")
+
+
+@dataclass
+class DistillSection:
+    path: str = opt("", "folder of teacher sidecars (python -m torchtitan_ext.distill.teacher) aligned with the "
+                    "training shards; empty: no distillation")
+    k: int = opt(0, "kept tokens used per position (0: all the sidecar's)", min=0)
+    alpha: float = opt(0.5, "loss = (1 - alpha) x hard cross-entropy + alpha x soft cross-entropy", min=0.0, max=1.0)
+    normalize: bool = opt(True, "normalise the Gumbel top-k soft targets to sum to 1")
+
+
+@dataclass
+class QuantSection:
+    qat: str = opt("none", "fake-quantise squared-ReLU FFNs (input, weights, middle) with an STE",
+                   choices=("none", "int8"))
+    clamp: str = opt("dynamic", "QAT middle range: static [-4, 4] (16 after squaring), or dynamic "
+                     "clamp_factor x rms(w_in) x sqrt(fan_in)", choices=("static", "dynamic"))
+    clamp_factor: float = opt(4.0, "dynamic clamp, in standard deviations of the FFN's projected input",
+                              min=0.1, max=100.0)
+    int8_forward: bool = opt(False, "blocks' linear forward matmuls in int8 (per-tensor dynamic scales), "
+                             "backward in the parameters' precision")
+
+
+@dataclass
+class EMASection:
+    decay: float = opt(0.0, "EMA of the parameters (float32, sharded like them); 0 disables, e.g. 0.999",
+                       min=0.0, max=1.0)
+    every: int = opt(1, "update the EMA every N steps", min=1)
+    start_step: int = opt(0, "first step that updates the EMA (it starts as a copy of the parameters)", min=0)
 
 
 @dataclass
@@ -186,3 +263,6 @@ class JobConfig:
     eval: EvalSection = field(default_factory=EvalSection)
     comm: CommSection = field(default_factory=CommSection)
     float8: Float8Section = field(default_factory=Float8Section)
+    distill: DistillSection = field(default_factory=DistillSection)
+    quant: QuantSection = field(default_factory=QuantSection)
+    ema: EMASection = field(default_factory=EMASection)

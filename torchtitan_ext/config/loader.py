@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,8 @@ def _coerce(value: Any, f: dataclasses.Field, where: str, from_cli: bool) -> Any
                 raise TypeError
     except (TypeError, ValueError, json.JSONDecodeError):
         raise ConfigError(f"{where}: expected {kind}, got {value!r}") from None
+    if kind == "float" and not math.isfinite(value):  # NaN passes every min / max check; no key means infinity
+        raise ConfigError(f"{where}: expected a finite float, got {value!r}")
     meta = f.metadata
     if meta.get("choices") and value not in meta["choices"]:
         raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(repr, meta['choices']))}")
@@ -158,8 +161,12 @@ def help_text() -> str:
 def _toml_value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
-    if isinstance(v, str | list):
+    if isinstance(v, str):
         return json.dumps(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(map(_toml_value, v)) + "]"
+    if isinstance(v, dict):  # e.g. the [[data.domains]] tables, as inline tables
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
     return repr(v)
 
 

@@ -1,10 +1,20 @@
-"""Turn text or JSONL files into token shards:
+"""Turn text or JSONL files into token shards, on many processes, with quality filters:
 
-    python -m torchtitan_ext.data.prepare --input 'data/*.jsonl' --output data/shards --tokenizer byte
+    python -m torchtitan_ext.data.prepare --input 'data/*.jsonl' --output-dir data/shards --tokenizer byte \
+        --workers 8 --filters heuristics,minhash,ppl --ppl-checkpoint outputs/debug
 
-Each .txt file is one document; each JSONL line is one document (its ``--text-key`` field). Documents are
-followed by the tokenizer's end-of-text id. Shards hold ``--shard-tokens`` tokens (the last may be
-shorter); the first ``--val-shards`` go to ``val_*.bin``, the rest to ``train_*.bin``.
+Each .txt (or other) file is one document; each JSONL line is one document (its ``--text-key`` string).
+Documents are followed by the tokenizer's end-of-text id. Shards hold ``--shard-tokens`` tokens (the last
+may be shorter); the first ``--val-shards`` go to ``val_*.bin``, the rest to ``train_*.bin``.
+
+Workers tokenize and apply the heuristics to chunks of documents in input order; the near-duplicate index
+and the writer run in the main process, so the output does not depend on ``--workers``. Each shard is
+written atomically and followed by ``prepare_state.pkl`` (records consumed, tokens carried into the next
+shard, duplicate index, counts): a run that crashed or stopped on bad input continues from the last shard
+when started again with the same arguments. With ``ppl`` in ``--filters``, a first pass scores the
+documents that survive the earlier filters (cached in ``ppl_scores.npy``) and the second pass writes.
+Filters (in the order given) are described in ``torchtitan_ext.data.filters``; the final report lists what
+each removed.
 """
 
 from __future__ import annotations
@@ -12,31 +22,65 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import multiprocessing as mp
+import os
+import pickle
 import sys
 import time
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
 from torchtitan_ext.data.corpus import builtin_tokenizer
+from torchtitan_ext.data.filters import (
+    HeuristicRules,
+    NearDuplicates,
+    heuristic_reason,
+    minhash_signature,
+    perplexity_scores,
+)
 from torchtitan_ext.data.shards import write_shard
 
+FILTERS = ("heuristics", "minhash", "ppl")
+STATE = "prepare_state.pkl"
 
-def documents(files: list[Path], text_key: str) -> Iterator[str]:
+
+class InputError(ValueError):
+    """A bad input file or record; the message names it."""
+
+
+def documents(files: list[Path], text_key: str, warn=print) -> Iterator[str]:
+    """Every document of ``files`` in order; InputError naming file and record for non-text values or
+    undecodable bytes; an empty file is skipped with one warning line."""
     for path in files:
-        if path.suffix == ".jsonl":
-            with open(path, encoding="utf-8") as f:
-                for n, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        yield json.loads(line)[text_key]
-                    except (json.JSONDecodeError, KeyError, TypeError):
-                        raise SystemExit(f"error: {path}:{n}: expected a JSON object with a "
-                                         f"{text_key!r} string") from None
-        else:
-            yield path.read_text(encoding="utf-8", errors="replace")
+        raw = path.read_bytes()
+        if not raw.strip():
+            warn(f"warning: {path}: empty file, skipped")
+            continue
+        if path.suffix != ".jsonl":
+            try:
+                yield raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise InputError(f"{path}: undecodable UTF-8 at byte {e.start}") from None
+            continue
+        for n, line in enumerate(raw.split(b"\n"), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise InputError(f"{path}:{n}: undecodable UTF-8 at byte {e.start} of the line") from None
+            except json.JSONDecodeError:
+                raise InputError(f"{path}:{n}: not a JSON object") from None
+            if not isinstance(record, dict) or text_key not in record:
+                raise InputError(f"{path}:{n}: expected a JSON object with a {text_key!r} string")
+            text = record[text_key]
+            if not isinstance(text, str):
+                raise InputError(f"{path}:{n}: {text_key!r} is {type(text).__name__} {json.dumps(text)[:40]}, "
+                                 "expected a string")
+            yield text
 
 
 class ShardWriter:
@@ -48,11 +92,15 @@ class ShardWriter:
         self.buffered = self.written = 0
         self.index = {"val": 0, "train": 0}
 
-    def add(self, tokens: np.ndarray) -> None:
+    def add(self, tokens: np.ndarray) -> bool:
+        """Buffer ``tokens``; True when a shard was written."""
         self.buf.append(tokens)
         self.buffered += len(tokens)
+        flushed = False
         while self.buffered >= self.shard_tokens:
             self._flush(self.shard_tokens)
+            flushed = True
+        return flushed
 
     def _flush(self, n: int) -> None:
         data = np.concatenate(self.buf)
@@ -68,48 +116,254 @@ class ShardWriter:
             self._flush(self.buffered)
 
 
+# --- worker side: tokenize and apply the heuristics -------------------------------------------------------
+_TOK = None
+_RULES: HeuristicRules | None = None
+_SIGNATURES = False
+
+
+def _init_worker(tok_spec: tuple, rules: HeuristicRules | None, signatures: bool) -> None:
+    global _TOK, _RULES, _SIGNATURES
+    _TOK = builtin_tokenizer(*tok_spec)
+    _RULES, _SIGNATURES = rules, signatures
+
+
+def _process(texts: list[str]) -> list[tuple[np.ndarray | None, str | None, np.ndarray | None]]:
+    """(tokens with the end-of-text, None, MinHash signature when needed) or (None, reason, None) per
+    document: the costly per-document work, done in the workers."""
+    out = []
+    eot = np.array([_TOK.eot_id], dtype=np.int32)
+    for text in texts:
+        ids = np.asarray(_TOK.encode(text), dtype=np.int32)
+        reason = heuristic_reason(text, len(ids), _RULES) if _RULES is not None else None
+        if reason:
+            out.append((None, reason, None))
+        else:
+            out.append((np.concatenate([ids, eot]), None, minhash_signature(text) if _SIGNATURES else None))
+    return out
+
+
+def _save_state(out: Path, state: dict) -> None:
+    tmp = out / (STATE + ".tmp")
+    with open(tmp, "wb") as f:
+        pickle.dump(state, f)
+    os.replace(tmp, out / STATE)
+
+
+class Progress:
+    """Documents, tokens, MB/s and ETA on one refreshed stderr line."""
+
+    open_line = False  # a progress line waits for its newline
+
+    def __init__(self, total_bytes: int, label: str):
+        self.total, self.label, self.start, self.last = total_bytes, label, time.time(), 0.0
+        self.docs = self.tokens = self.bytes = 0
+
+    def update(self, docs: int, tokens: int, nbytes: int, final: bool = False) -> None:
+        self.docs, self.tokens, self.bytes = self.docs + docs, self.tokens + tokens, self.bytes + nbytes
+        now = time.time()
+        if not final and now - self.last < 0.5:
+            return
+        self.last = now
+        rate = self.bytes / max(now - self.start, 1e-9)
+        eta = (self.total - self.bytes) / rate if rate > 0 else 0.0
+        print(f"\r{self.label}: {self.docs:,} docs  {self.tokens:,} tokens  {rate / 1e6:.2f} MB/s  "
+              f"{100 * min(1.0, self.bytes / max(self.total, 1)):5.1f}%  ETA {max(eta, 0):.0f}s   ",
+              end="\n" if final else "", file=sys.stderr, flush=True)
+        Progress.open_line = not final
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes / 1e6 / max(time.time() - self.start, 1e-9)
+
+
+def _pipeline(files, args, tok_spec, filters, rules, pool, skip: int, dedup: NearDuplicates | None,
+              removed: dict, progress: Progress) -> Iterator[tuple[int, str, np.ndarray]]:
+    """(record number, text, tokens) of every document after ``skip`` records that passes the heuristics
+    and the duplicate filter, in input order; ``removed`` counts the rest."""
+    warn = (lambda m: print(m, file=sys.stderr)) if skip == 0 else (lambda m: None)
+    docs = documents(files, args.text_key, warn)
+    for _ in range(skip):
+        next(docs, None)
+    record = skip
+    pending: deque[list[str]] = deque()  # the texts of the chunks handed to the workers, in order
+    failure: list[InputError] = []  # a bad record: raised once every record before it is written
+
+    def work() -> Iterator[list[str]]:
+        chunk: list[str] = []
+        try:
+            for doc in docs:
+                chunk.append(doc)
+                if len(chunk) == args.chunk_docs:
+                    pending.append(chunk)
+                    yield chunk
+                    chunk = []
+        except InputError as e:
+            failure.append(e)
+        if chunk:
+            pending.append(chunk)
+            yield chunk
+
+    results = pool.imap(_process, work()) if pool is not None else map(_process, work())
+    for res in results:
+        texts = pending.popleft()
+        for text, (tokens, reason, signature) in zip(texts, res, strict=True):
+            record += 1
+            progress.update(1, 0 if tokens is None else len(tokens), len(text.encode("utf-8")))
+            if reason is not None:
+                removed[f"heuristics/{reason}"] = removed.get(f"heuristics/{reason}", 0) + 1
+                continue
+            if dedup is not None:
+                dup = dedup.check(text, signature)
+                if dup is not None:
+                    removed[f"minhash/{dup}"] = removed.get(f"minhash/{dup}", 0) + 1
+                    continue
+            yield record, text, tokens
+    if failure:
+        raise failure[0]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m torchtitan_ext.data.prepare", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", required=True, nargs="+", help="files or globs (.txt, .jsonl, other text)")
-    p.add_argument("--output", required=True, help="folder for the shards")
+    p.add_argument("--output-dir", "--output", dest="output", required=True, help="folder for the shards")
     p.add_argument("--tokenizer", default="byte", help="byte, builtin, or a SentencePiece .model path")
     p.add_argument("--tokenizer-vocab-size", type=int, default=4096, help="for --tokenizer builtin")
     p.add_argument("--cache-dir", default="~/.cache/torchtitan_ext")
     p.add_argument("--text-key", default="text", help="JSONL field holding the document")
     p.add_argument("--shard-tokens", type=int, default=100_000_000)
     p.add_argument("--val-shards", type=int, default=0)
+    p.add_argument("--workers", type=int, default=1, help="tokenizing processes")
+    p.add_argument("--chunk-docs", type=int, default=64, help="documents per work item")
+    p.add_argument("--filters", default="", help=f"comma-separated, applied in order: {', '.join(FILTERS)}")
+    p.add_argument("--min-tokens", type=int, default=HeuristicRules.min_tokens)
+    p.add_argument("--max-tokens", type=int, default=HeuristicRules.max_tokens)
+    p.add_argument("--max-symbol-ratio", type=float, default=HeuristicRules.max_symbol_ratio)
+    p.add_argument("--max-repeat-ratio", type=float, default=HeuristicRules.max_repeat_ratio)
+    p.add_argument("--minhash-threshold", type=float, default=0.8, help="estimated Jaccard above which a "
+                   "document is a near duplicate")
+    p.add_argument("--ppl-checkpoint", default="", help="dump folder of our reference model (ppl filter)")
+    p.add_argument("--ppl-percentile", type=float, default=90.0, help="drop documents scoring above it")
+    p.add_argument("--ppl-max-tokens", type=int, default=2048, help="tokens scored per document")
+    p.add_argument("--trees", action="store_true", help="JSONL conversation trees (one per line) -> shards of "
+                   "whole trees with node sidecars, for data.attention = 'tree' (torchtitan_ext.data.trees)")
     args = p.parse_args(argv)
+    if args.trees:
+        from torchtitan_ext.data.trees import main as trees_main
 
+        return trees_main(["--input", *args.input, "--output-dir", args.output, "--tokenizer", args.tokenizer,
+                           "--tokenizer-vocab-size", str(args.tokenizer_vocab_size), "--cache-dir", args.cache_dir,
+                           "--shard-tokens", str(args.shard_tokens)])
+    try:
+        return _run(args)
+    except (InputError, FileNotFoundError, ValueError) as e:
+        print(("\n" if Progress.open_line else "") + f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
     files = sorted({Path(f) for pattern in args.input for f in glob.glob(str(Path(pattern).expanduser()))})
     if not files:
-        print(f"error: --input {' '.join(args.input)}: no such files", file=sys.stderr)
-        return 2
-    if args.shard_tokens < 1:
-        print(f"error: --shard-tokens {args.shard_tokens}: expected >= 1", file=sys.stderr)
-        return 2
-    try:
-        tok = builtin_tokenizer(args.tokenizer, args.tokenizer_vocab_size, Path(args.cache_dir).expanduser())
-    except FileNotFoundError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise InputError(f"--input {' '.join(args.input)}: no such files")
+    filters = [f for f in args.filters.split(",") if f]
+    bad = [f for f in filters if f not in FILTERS]
+    if bad:
+        raise InputError(f"--filters: unknown filter {bad[0]!r}; valid: {', '.join(FILTERS)}")
+    for name, value, low in (("--shard-tokens", args.shard_tokens, 1), ("--workers", args.workers, 1),
+                             ("--chunk-docs", args.chunk_docs, 1)):
+        if value < low:
+            raise InputError(f"{name} {value}: expected >= {low}")
+    if "ppl" in filters and filters[-1] != "ppl":
+        raise InputError("--filters: ppl must come last (its percentile is taken over what the others keep)")
+    if "ppl" in filters and not args.ppl_checkpoint:
+        raise InputError("--filters ppl needs --ppl-checkpoint (a dump folder of ours)")
+    if not 0 < args.ppl_percentile <= 100:
+        raise InputError(f"--ppl-percentile {args.ppl_percentile}: expected within (0, 100]")
+    tok_spec = (args.tokenizer, args.tokenizer_vocab_size, Path(args.cache_dir).expanduser())
+    builtin_tokenizer(*tok_spec)  # a bad tokenizer fails here, in one line, before any worker starts
+    rules = HeuristicRules(args.min_tokens, args.max_tokens, args.max_symbol_ratio, args.max_repeat_ratio) \
+        if "heuristics" in filters else None
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
-    writer = ShardWriter(out, args.shard_tokens, args.val_shards)
-    eot = np.array([tok.eot_id], dtype=np.int32)
-    start, docs, done_bytes = time.time(), 0, 0
     total_bytes = sum(f.stat().st_size for f in files)
-    for text in documents(files, args.text_key):
-        writer.add(np.concatenate([tok.encode(text), eot]))
-        docs += 1
-        done_bytes += len(text.encode("utf-8", errors="replace"))
-        if docs % 1000 == 0 or done_bytes >= total_bytes:
-            frac = min(1.0, done_bytes / max(total_bytes, 1))
-            bar = "#" * int(30 * frac)
-            print(f"\r[{bar:<30}] {100 * frac:5.1f}%  {docs:,} docs  {writer.written + writer.buffered:,} tokens  "
-                  f"{time.time() - start:.0f}s", end="", file=sys.stderr, flush=True)
+    ctx = mp.get_context("spawn" if sys.platform == "darwin" else "fork")
+    init = (tok_spec, rules, "minhash" in filters)
+    pool = ctx.Pool(args.workers, _init_worker, init) if args.workers > 1 else None
+    if pool is None:
+        _init_worker(*init)
+    try:
+        return _write(args, files, filters, tok_spec, rules, pool, out, total_bytes)
+    finally:
+        if pool is not None:
+            pool.terminate()
+
+
+def _write(args, files, filters, tok_spec, rules, pool, out: Path, total_bytes: int) -> int:
+    ppl_threshold, scores = None, None
+    before_ppl = filters[:filters.index("ppl")] if "ppl" in filters else filters
+    if "ppl" in filters:
+        cache = out / "ppl_scores.npy"
+        if cache.is_file():
+            scores = np.load(cache)
+        else:  # pass 1: score what the earlier filters keep
+            progress = Progress(total_bytes, "scoring pass")
+            dedup = NearDuplicates(args.minhash_threshold) if "minhash" in before_ppl else None
+            texts = [t for _, t, _ in _pipeline(files, args, tok_spec, before_ppl, rules, pool, 0, dedup, {},
+                                                progress)]
+            progress.update(0, 0, 0, final=True)
+            scores = perplexity_scores(texts, args.ppl_checkpoint, args.ppl_max_tokens)
+            np.save(out / "ppl_scores.tmp.npy", scores)
+            os.replace(out / "ppl_scores.tmp.npy", cache)
+        ppl_threshold = float(np.percentile(scores, args.ppl_percentile)) if len(scores) else 0.0
+
+    state_path = out / STATE
+    writer = ShardWriter(out, args.shard_tokens, args.val_shards)
+    state = {"records": 0, "kept": 0, "removed": {}, "dedup": None, "carry": np.zeros(0, np.int32),
+             "index": dict(writer.index), "val_left": writer.val_left, "written": 0, "done": False,
+             "args": [args.input, args.tokenizer, args.shard_tokens, args.val_shards, args.filters]}
+    if state_path.is_file():
+        with open(state_path, "rb") as f:
+            saved = pickle.load(f)
+        if saved["args"] != state["args"]:
+            raise InputError(f"{out}: holds shards of another preparation ({STATE} has different --input, "
+                             "--tokenizer, --shard-tokens, --val-shards or --filters); use an empty folder")
+        if saved["done"]:
+            print(f"{out}: already complete ({saved['written']:,} tokens)", file=sys.stderr)
+            return 0
+        state = saved
+        print(f"resuming after record {state['records']:,} ({state['written']:,} tokens in shards)",
+              file=sys.stderr)
+    writer.index, writer.val_left, writer.written = dict(state["index"]), state["val_left"], state["written"]
+    writer.buf, writer.buffered = [state["carry"]], len(state["carry"])
+    dedup = state["dedup"] or (NearDuplicates(args.minhash_threshold) if "minhash" in before_ppl else None)
+    removed: dict[str, int] = dict(state["removed"])
+    kept = state["kept"]
+    progress = Progress(total_bytes, "prepare")
+    for record, _, tokens in _pipeline(files, args, tok_spec, before_ppl, rules, pool, state["records"], dedup,
+                                       removed, progress):
+        if scores is not None:
+            i = kept + sum(v for k, v in removed.items() if k.startswith("ppl/"))
+            if scores[i] > ppl_threshold:
+                removed["ppl/above_percentile"] = removed.get("ppl/above_percentile", 0) + 1
+                continue
+        kept += 1
+        if writer.add(tokens):
+            _save_state(out, {**state, "records": record, "kept": kept, "removed": removed, "dedup": dedup,
+                              "carry": np.concatenate(writer.buf), "index": dict(writer.index),
+                              "val_left": writer.val_left, "written": writer.written})
     writer.close()
-    print(f"\nwrote {writer.written:,} tokens from {docs:,} documents: {writer.index['train']} train and "
+    progress.update(0, 0, 0, final=True)
+    _save_state(out, {**state, "records": progress.docs + state["records"], "kept": kept, "removed": removed,
+                      "dedup": None, "carry": np.zeros(0, np.int32), "index": dict(writer.index),
+                      "val_left": writer.val_left, "written": writer.written, "done": True})
+    report = {"documents_kept": kept, "removed": removed, "tokens": writer.written,
+              "train_shards": writer.index["train"], "val_shards": writer.index["val"],
+              "mb_per_s": round(progress.mb_per_s, 3), "workers": args.workers}
+    if ppl_threshold is not None:
+        report["ppl_threshold_nats"] = ppl_threshold
+    print(json.dumps(report), file=sys.stderr)
+    print(f"wrote {writer.written:,} tokens from {kept:,} documents: {writer.index['train']} train and "
           f"{writer.index['val']} val shards in {out}", file=sys.stderr)
     return 0
 

@@ -3,11 +3,16 @@
 A shard is a header of 256 little-endian int32 (``[0]`` magic 20240520, ``[1]`` version, ``[2]`` token
 count), then the tokens: uint16 for version 1 (the published format, so FineWeb shards train as they are)
 and uint32 for version 2 (our extension for vocabularies over 65,535).
+
+``scan_shards`` checks every shard's header and token range at start-up, so a damaged file or a token id
+beyond the model's vocabulary stops the job before any work rather than at the batch that holds it; the
+largest id of each shard is cached by path, size and mtime, so a large dataset is read once.
 """
 
 from __future__ import annotations
 
 import glob
+import json
 import os
 from pathlib import Path
 
@@ -47,6 +52,8 @@ def read_shard(path: str | os.PathLike) -> np.ndarray:
     if header[0] != MAGIC:
         raise ShardError(f"{path}: bad magic number {header[0]} (expected {MAGIC}); not a token shard")
     version, count = int(header[1]), int(header[2])
+    if count < 0:
+        raise ShardError(f"{path}: the header announces {count} tokens (expected a count >= 0); damaged shard")
     if version not in DTYPES:
         raise ShardError(f"{path}: unknown shard version {version} (expected 1 = uint16 or 2 = uint32)")
     itemsize = np.dtype(DTYPES[version]).itemsize
@@ -67,3 +74,57 @@ def list_shards(pattern: str, key: str) -> list[Path]:
     if not files:
         raise FileNotFoundError(f"{key} = {pattern!r}: no token shards found")
     return files
+
+
+SCAN_CACHE = "shard_scan.json"
+_CHUNK = 1 << 26  # tokens per np.max call: bounded memory on multi-GiB shards
+
+
+def _max_token(tokens: np.ndarray) -> int:
+    return max((int(tokens[i:i + _CHUNK].max()) for i in range(0, len(tokens), _CHUNK)), default=-1)
+
+
+def scan_shards(paths: list[Path], vocab_limit: int, cache_dir: str | os.PathLike) -> None:
+    """ShardError naming the first shard whose header is bad or that holds a token id >= ``vocab_limit``."""
+    cache_file = Path(cache_dir) / SCAN_CACHE
+    try:
+        cache = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if not isinstance(cache, dict):  # a damaged cache only costs a re-scan
+        cache = {}
+    changed = False
+    for path in paths:
+        st = Path(path).stat()
+        key = str(Path(path).resolve())
+        entry = cache.get(key)
+        if not (isinstance(entry, dict) and entry.get("size") == st.st_size and entry.get("mtime_ns") == st.st_mtime_ns
+                and isinstance(entry.get("max"), int)):
+            entry = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "max": _max_token(read_shard(path))}
+            cache[key], changed = entry, True
+        else:
+            read_shard(path)  # the header alone: cheap, and catches a file replaced within the mtime resolution
+        if entry["max"] >= vocab_limit:
+            break
+    if changed:
+        try:
+            cache_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache_file.with_name(f"{SCAN_CACHE}.{os.getpid()}.tmp")  # ranks may write at once
+            tmp.write_text(json.dumps(cache))
+            os.replace(tmp, cache_file)
+        except OSError:
+            pass  # a read-only cache folder only costs a re-scan next time
+    if paths and entry["max"] >= vocab_limit:
+        raise ShardError(f"{path}: token id {entry['max']} >= model vocabulary {vocab_limit}; set "
+                         f"model.vocab_size > {entry['max']} or re-tokenize the data")
+
+
+def loader_shards(loader: object) -> list[Path]:
+    """The shard files behind a loader, a mixture of domain loaders, or a dict of them."""
+    if loader is None:
+        return []
+    if isinstance(loader, dict):
+        return [p for v in loader.values() for p in loader_shards(v)]
+    if hasattr(loader, "sources"):
+        return [p for v in loader.sources for p in loader_shards(v)]
+    return list(getattr(loader, "shards", []))

@@ -1,10 +1,20 @@
-"""Console (rank 0), TensorBoard scalars and metrics.jsonl for each logged step; MFU and GPU memory."""
+"""Console (rank 0), TensorBoard scalars and metrics.jsonl for each logged step; MFU and GPU memory.
+
+A resumed job redoes the steps after its checkpoint: their earlier records are dropped from metrics.jsonl
+(and purged from TensorBoard) on start-up, so each step appears once, with the values of the run that kept it.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import sys
 import time
+import traceback
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TextIO
 
 import torch
 
@@ -27,7 +37,7 @@ def flops_per_token(active_params: int, n_layers: int, n_heads: int, head_dim: i
 
 
 class MetricsLogger:
-    def __init__(self, dump_folder: str, rank: int, tensorboard: bool, jsonl: bool):
+    def __init__(self, dump_folder: str, rank: int, tensorboard: bool, jsonl: bool, resume_step: int = 0):
         self.rank = rank
         self.tb = None
         self.jsonl = None
@@ -38,8 +48,9 @@ class MetricsLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(log_dir=str(folder / "tb"))
+            self.tb = SummaryWriter(log_dir=str(folder / "tb"), purge_step=resume_step + 1)
         if jsonl:
+            drop_after(folder / "metrics.jsonl", resume_step)
             self.jsonl = open(folder / "metrics.jsonl", "a", buffering=1)
 
     def log(self, step: int, values: dict[str, float]) -> None:
@@ -63,3 +74,55 @@ class MetricsLogger:
             self.tb.close()
         if self.jsonl is not None:
             self.jsonl.close()
+
+
+def drop_after(path: Path, step: int) -> None:
+    """Keep only the records of steps <= ``step`` (and no torn last line) in the JSONL file at ``path``."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+            kept.append(line + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    tmp.replace(path)
+
+
+class _Tee(io.TextIOBase):
+    """A text stream that writes to the console stream and to a log file."""
+
+    def __init__(self, stream: TextIO, file: TextIO):
+        self.stream, self.file = stream, file
+
+    def write(self, s: str) -> int:
+        self.stream.write(s)
+        self.file.write(s)
+        return len(s)
+
+    def flush(self) -> None:
+        self.stream.flush()
+        self.file.flush()
+
+
+@contextlib.contextmanager
+def rank_log(dump_folder: str, rank: int) -> Iterator[Path]:
+    """Within the block, copy this process's Python stdout and stderr (messages, warnings, and the traceback
+    of an exception leaving the block) to ``<dump_folder>/logs/rank-<rank>.log``: the console shows rank 0,
+    the files show every rank."""
+    path = Path(dump_folder) / "logs" / f"rank-{rank}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    saved = sys.stdout, sys.stderr
+    with open(path, "a", buffering=1) as file:
+        sys.stdout, sys.stderr = _Tee(sys.stdout, file), _Tee(sys.stderr, file)
+        try:
+            yield path
+        except BaseException:
+            traceback.print_exc(file=file)  # the console gets it from the interpreter, once
+            raise
+        finally:
+            sys.stdout, sys.stderr = saved

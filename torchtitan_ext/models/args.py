@@ -23,6 +23,7 @@ class ModelArgs:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     logit_softcap: float = 0.0  # > 0: logits = cap * tanh(logits / cap)
+    residual_scalars: bool = False  # a learnable scalar on each residual branch (INT8 training stability)
     # MoDE (Mixture of Distilled Experts); n_experts = 0 keeps every FFN dense.
     n_experts: int = 0
     top_k: int = 2
@@ -33,6 +34,9 @@ class ModelArgs:
     aux_loss_coef: float = 0.01  # Switch-style load-balancing loss; 0 disables
     router_z_loss_coef: float = 0.001  # logsumexp(router logits)^2
     bias_update_rate: float = 0.0  # > 0: auxiliary-loss-free balancing (per-expert routing bias)
+    # Interleaved cross-layer KV sharing: in each group of kv_share_group layers only the first computes K/V.
+    kv_share: str = "none"  # "none" or "interleaved"
+    kv_share_group: int = 2
 
     @property
     def kv_heads(self) -> int:
@@ -54,6 +58,10 @@ class ModelArgs:
     def uses_rope(self, layer: int) -> bool:
         return self.rope_dims > 0 and not (self.nope_every and layer % self.nope_every == self.nope_every - 1)
 
+    def computes_kv(self, layer: int) -> bool:
+        """Whether this layer has its own wk / wv (always, unless it reuses its group's first layer's K/V)."""
+        return self.kv_share == "none" or layer % self.kv_share_group == 0
+
     def is_moe(self, layer: int) -> bool:
         return self.n_experts > 0 and layer % self.moe_every == self.moe_every - 1
 
@@ -73,3 +81,7 @@ class ModelArgs:
             raise ValueError(f"top_k = {self.top_k}: expected between 1 and n_experts = {self.n_experts}")
         if self.moe_every < 1:
             raise ValueError(f"moe_every = {self.moe_every}: expected >= 1")
+        if self.kv_share not in ("none", "interleaved"):
+            raise ValueError(f"kv_share = {self.kv_share!r}: expected 'none' or 'interleaved'")
+        if self.kv_share_group < 1:
+            raise ValueError(f"kv_share_group = {self.kv_share_group}: expected >= 1")

@@ -19,6 +19,10 @@ import torch.nn.functional as F
 from torchtitan_ext.models.args import ModelArgs
 from torchtitan_ext.models.ffn import FeedForward
 from torchtitan_ext.models.mode import MoDE
+from torchtitan_ext.ops.attention import attention, attention_lse, build_mask
+from torchtitan_ext.ops.kernels import add_rms_norm, qk_norm_rope
+from torchtitan_ext.ops.visibility import causal_block_mask
+from torchtitan_ext.ops.zreg import VirtualLoss, attention_z_virtual
 
 
 def rope_tables(args: ModelArgs, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,58 +33,119 @@ def rope_tables(args: ModelArgs, device: torch.device | None = None) -> tuple[to
     return angles.cos().float(), angles.sin().float()
 
 
+def rope_at(args: ModelArgs, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (batch, seq, rope_dims / 2) at explicit positions (batch, seq); the same float64 angles
+    as ``rope_tables``, so position p gives bit-identical values, and positions past max_seq_len work."""
+    half = args.rope_dims // 2
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(half, device=positions.device, dtype=torch.float64)
+                                          / max(half, 1)))
+    angles = positions.double()[..., None] * inv_freq
+    return angles.cos().float(), angles.sin().float()
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first ``2 * cos.shape[-1]`` dims of x (batch, seq, heads, head_dim); the rest pass."""
+    """Rotate the first ``2 * cos.shape[-1]`` dims of x (batch, seq, heads, head_dim); the rest pass.
+    cos/sin are (seq, rope_dims / 2) or (batch or 1, seq, rope_dims / 2)."""
     half = cos.shape[-1]
     x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
-    cos, sin = cos[None, :, None, :].to(x.dtype), sin[None, :, None, :].to(x.dtype)
+    if cos.ndim == 2:
+        cos, sin = cos[None], sin[None]
+    cos, sin = cos[:, :, None, :].to(x.dtype), sin[:, :, None, :].to(x.dtype)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, use_rope: bool):
+    """GQA attention. With interleaved KV sharing a consumer layer (``computes_kv`` false) has no wk / wv /
+    k_norm and attends over the K (normalised, rotated) and V of its group's first layer."""
+
+    def __init__(self, args: ModelArgs, use_rope: bool, computes_kv: bool = True):
         super().__init__()
-        self.head_dim, self.use_rope = args.hdim, use_rope
+        self.head_dim, self.use_rope, self.computes_kv = args.hdim, use_rope, computes_kv
+        self.returns_kv = args.kv_share != "none"  # forward returns (out, (k, v)) for the next layer of the group
         self.wq = nn.Linear(args.dim, args.n_heads * args.hdim, bias=False)
-        self.wk = nn.Linear(args.dim, args.kv_heads * args.hdim, bias=False)
-        self.wv = nn.Linear(args.dim, args.kv_heads * args.hdim, bias=False)
+        self.wk = nn.Linear(args.dim, args.kv_heads * args.hdim, bias=False) if computes_kv else None
+        self.wv = nn.Linear(args.dim, args.kv_heads * args.hdim, bias=False) if computes_kv else None
         self.wo = nn.Linear(args.n_heads * args.hdim, args.dim, bias=False)
         self.q_norm = nn.RMSNorm(args.hdim, eps=args.norm_eps) if args.qk_norm else None
-        self.k_norm = nn.RMSNorm(args.hdim, eps=args.norm_eps) if args.qk_norm else None
+        self.k_norm = nn.RMSNorm(args.hdim, eps=args.norm_eps) if args.qk_norm and computes_kv else None
+        # Set by the trainer: attention Z-reg coefficient, and whether to record the mean LSE this step.
+        self.z_reg, self.record_lse = 0.0, False
+        self.n_heads_total, self.n_layers = args.n_heads, args.n_layers
+        self.lse_mean: torch.Tensor | None = None
+        self.fused_kernels = False  # training.kernels = "triton": QK-norm + RoPE in one kernel
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """x (batch, seq, dim); ``rope`` the (cos, sin) tables from position 0."""
-        b, t, _ = x.shape
-        q = self.wq(x).view(b, t, -1, self.head_dim)
-        k = self.wk(x).view(b, t, -1, self.head_dim)
-        v = self.wv(x).view(b, t, -1, self.head_dim)
+    def norm_and_rotate(self, q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """QK-norm then RoPE on q and (unless shared) k, (batch, seq, heads, head_dim); cos/sin are already
+        gathered for the positions, (1 or batch, seq, rope_dims / 2)."""
+        if self.fused_kernels and self.q_norm is not None and self.use_rope:  # one Triton pass each
+            return qk_norm_rope(q, self.q_norm, cos, sin), None if k is None else qk_norm_rope(k, self.k_norm, cos, sin)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q = self.q_norm(q)
+            k = self.k_norm(k) if k is not None else None
         if self.use_rope:
-            cos, sin = rope[0][:t], rope[1][:t]
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if k.shape[1] != q.shape[1]:  # GQA: each KV head serves n_heads / n_kv_heads query heads
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin) if k is not None else None
+        return q, k
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask=None,
+                kv: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """x (batch, seq, dim); ``rope`` (cos, sin) at the tokens' positions; ``mask`` None (causal) or from
+        ``ops.attention.build_mask``; ``kv`` the shared (k, v) for a consumer layer. Returns out, or
+        (out, (k, v)) with KV sharing."""
+        b, t, _ = x.shape
+        cos, sin = (r[None, :t] if r.ndim == 2 else r[:, :t] for r in rope)  # tables (seq, d) or (b, seq, d)
+        q = self.wq(x).view(b, t, -1, self.head_dim)
+        if self.computes_kv:
+            k, v = self.wk(x).view(b, t, -1, self.head_dim), self.wv(x).view(b, t, -1, self.head_dim)
+            q, k = self.norm_and_rotate(q, k, cos, sin)
+        else:
+            (k, v), (q, _) = kv, self.norm_and_rotate(q, None, cos, sin)
+        qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        want_lse = self.z_reg > 0 and torch.is_grad_enabled()
+        out, lse = attention(qh, kh, vh, mask, need_lse=want_lse)
+        if want_lse:
+            out = VirtualLoss.apply(out, attention_z_virtual(lse, self.z_reg, self.n_heads_total, self.n_layers))
+        if self.record_lse:
+            self.lse_mean = (lse if lse is not None else attention_lse(qh, kh, vh, mask)).detach().float().mean()
+        out = self.wo(out.transpose(1, 2).reshape(b, t, -1))
+        return (out, (k, v)) if self.returns_kv else out
 
 
 class Block(nn.Module):
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(args, args.uses_rope(layer))
+        self.attention = Attention(args, args.uses_rope(layer), args.computes_kv(layer))
+        self.shares_kv = args.kv_share != "none"  # forward also takes and returns the group's (k, v)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         if args.is_moe(layer):
             self.feed_forward = MoDE(args)
         else:
             self.feed_forward = FeedForward(args.dim, args.ffn_hidden, args.activation)
+        self.fused_kernels = False  # training.kernels = "triton": residual add + ffn_norm in one kernel
+        # [attention, ffn] branch scales (1-D: initialised to one, no weight decay)
+        self.residual_scale = nn.Parameter(torch.ones(2)) if args.residual_scalars else None
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
-        return h + self.feed_forward(self.ffn_norm(h))
+    def _scaled(self, i: int, branch: torch.Tensor) -> torch.Tensor:
+        return branch if self.residual_scale is None else branch * self.residual_scale[i].to(branch.dtype)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask=None,
+                kv: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """h, or (h, (k, v)) with KV sharing; ``mask`` and ``kv`` as in ``Attention.forward``."""
+        attn = self.attention(self.attention_norm(x), rope, mask, kv)
+        if self.shares_kv:
+            attn, kv = attn
+        if self.residual_scale is not None:
+            h = x + self._scaled(0, attn)
+            h = h + self._scaled(1, self.feed_forward(self.ffn_norm(h)))
+        elif self.fused_kernels:
+            h, normed = add_rms_norm(x, attn, self.ffn_norm)
+            h = h + self.feed_forward(normed)
+        else:
+            h = x + attn
+            h = h + self.feed_forward(self.ffn_norm(h))
+        return (h, kv) if self.shares_kv else h
 
 
 class Decoder(nn.Module):
@@ -93,6 +158,10 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(args, i) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.return_hidden = False
+        # Set by the trainer when attention needs its LSE without a mask (Z-reg, the LSE metric): on CUDA the
+        # causal attention then runs FlexAttention with a causal BlockMask, which returns it.
+        self.causal_flex = False
         cos, sin = rope_tables(args, device=torch.device("meta"))
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -104,16 +173,31 @@ class Decoder(nn.Module):
             if isinstance(module, MoDE):
                 module.reset_buffers()
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, *, visibility: tuple[torch.Tensor, torch.Tensor] | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (batch, seq) -> logits (batch, seq, vocab); a middle or last pipeline stage takes the
-        hidden states instead, and a stage without the head returns hidden states."""
-        rope = (self.rope_cos, self.rope_sin)  # each attention takes the rows of its sequence length
+        hidden states instead, and a stage without the head returns hidden states. ``visibility`` is a
+        (start, limit) pair (``ops/visibility.py``; None: causal), ``positions`` (batch, seq) the RoPE
+        positions (None: 0, 1, ...)."""
+        if positions is None:  # each attention takes the rows of its (all-gathered, under TP) sequence
+            rope = (self.rope_cos[None], self.rope_sin[None])
+        else:
+            rope = rope_at(self.args, positions)
+        mask = build_mask(*visibility) if visibility is not None else None
+        if mask is None and self.causal_flex and tokens.is_cuda:  # built here, outside the compiled blocks
+            mask = causal_block_mask(tokens.shape[1], tokens.device)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        kv = None
         for layer in self.layers.values():
-            h = layer(h, rope)
+            if layer.shares_kv:
+                h, kv = layer(h, rope, mask, kv)
+            else:
+                h = layer(h, rope, mask)
         if self.norm is None:
             return h
         h = self.norm(h)
+        if self.return_hidden:  # the trainer's fused linear cross-entropy applies the head itself
+            return h
         logits = self.output(h) if self.output is not None else F.linear(h, self.tok_embeddings.weight)
         if self.args.logit_softcap > 0:
             logits = self.args.logit_softcap * torch.tanh(logits / self.args.logit_softcap)

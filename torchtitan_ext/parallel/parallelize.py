@@ -15,11 +15,15 @@ from torchtitan_ext.parallel.ep import apply_ep
 from torchtitan_ext.parallel.fsdp import DTYPES, apply_fsdp
 from torchtitan_ext.parallel.tp import apply_tp, enable_async_tp
 from torchtitan_ext.quant.float8 import convert_to_float8
+from torchtitan_ext.quant.swap import apply_quant
 
 
 def parallelize_decoder(model: nn.Module, dims: ParallelDims, cfg: JobConfig, on_gpu: bool,
                         loss_parallel: bool) -> None:
     """Apply every parallelism except pipelining (which splits the model first) to one model part."""
+    for line in apply_quant(model, cfg, dims.tp):  # QAT / INT8 swaps, before TP and FSDP like float8
+        if dist.get_rank() == 0:
+            print(line)
     if cfg.float8.enabled:  # before TP and FSDP: they shard the Float8Linear weights
         convert_to_float8(model, cfg.float8, log=print if dist.get_rank() == 0 else lambda msg: None)
     if dims.tp > 1:

@@ -96,9 +96,26 @@ def split_stages(model: nn.Module, pp_rank: int, pp: int, virtual: int, schedule
     return stages
 
 
+class MaskCarrier(nn.Module):
+    """A stage that takes the micro-batch's visibility (start, limit) and positions as arguments and hands
+    them on with its output: ``torch.distributed.pipelining`` passes arguments to the first stage only, and
+    the mask must be split into micro-batches with the tokens. The integer tensors get no gradient."""
+
+    def __init__(self, stage: nn.Module, last: bool):
+        super().__init__()
+        self.stage, self.last = stage, last
+
+    def forward(self, x: torch.Tensor, start: torch.Tensor, limit: torch.Tensor, positions: torch.Tensor):
+        out = self.stage(x, visibility=(start, limit), positions=positions)
+        return out if self.last else (out, start, limit, positions)
+
+
 def build_schedule(stages: list[tuple[int, nn.Module]], n_stages: int, device: torch.device, group,
-                   schedule: str, microbatches: int, loss_fn: Callable):
-    """The schedule driving this rank's (already parallelized and materialised) stages."""
+                   schedule: str, microbatches: int, loss_fn: Callable, carry_mask: bool = False):
+    """The schedule driving this rank's (already parallelized and materialised) stages; ``carry_mask``:
+    the stages take and pass on (start, limit, positions) after the hidden states."""
+    if carry_mask:
+        stages = [(sid, MaskCarrier(m, sid == n_stages - 1)) for sid, m in stages]
     pipe = [PipelineStage(m, sid, n_stages, device, group=group) for sid, m in stages]
     cls = SCHEDULES[schedule]
     try:

@@ -51,14 +51,17 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, loss_parallel: bool) -> None:
     for block in model.layers.values():
         plan = {
             "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
-                                            desired_input_layouts=(Replicate(), None)),
+            # (x, rope, mask, shared kv): only x is sequence-sharded; the rest are plain local tensors
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
+                                            desired_input_layouts=(Replicate(), None, None, None)),
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
             "ffn_norm": SequenceParallel(),
         }
+        if not block.attention.computes_kv:  # KV sharing: this layer reuses its group's first layer's K/V
+            del plan["attention.wk"], plan["attention.wv"]
         if isinstance(block.feed_forward, MoDE):
             # Each TP rank routes its own slice of the sequence (tokens are independent in a MoDE layer);
             # its parameters are sharded over data-parallel x TP ranks by FSDP instead (see fsdp.py).
@@ -75,7 +78,8 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, loss_parallel: bool) -> None:
         if block.attention.q_norm is not None:
             # Per-head norms see this rank's heads (dim 2); as replicated DTensors their gradients are summed.
             plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-            plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            if block.attention.k_norm is not None:
+                plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         parallelize_module(block, mesh, plan)
 
 

@@ -1,4 +1,5 @@
-"""AdamW per model part (pipeline stages may hold several parts) behind one Stateful container."""
+"""The optimizers of each model part (pipeline stages may hold several parts) behind one Stateful container:
+AdamW for everything, or Muon for the blocks' matrices and AdamW for the rest."""
 
 from __future__ import annotations
 
@@ -12,13 +13,20 @@ from torch.distributed.checkpoint.state_dict import (
 
 from torchtitan_ext.config.job_config import OptimizerSection
 from torchtitan_ext.parallel.compile import clean_fqn
+from torchtitan_ext.train.muon import Muon
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+def is_muon_param(name: str, p: torch.Tensor) -> bool:
+    """The blocks' weight matrices (and MoDE expert stacks); not embeddings, head, norms or routers."""
+    fqn = clean_fqn(name)
+    return p.ndim >= 2 and fqn.startswith("layers.") and ".router." not in fqn
+
+
+def param_groups(model: nn.Module, weight_decay: float, exclude=lambda name, p: False) -> list[dict]:
     """Decay matrices only: norms, biases and embeddings are left undecayed."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
-        if not p.requires_grad:
+        if not p.requires_grad or exclude(name, p):
             continue
         if p.ndim < 2 or "tok_embeddings" in clean_fqn(name):
             no_decay.append(p)
@@ -27,18 +35,28 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def build_part_optimizers(model: nn.Module, cfg: OptimizerSection) -> list[torch.optim.Optimizer]:
+    """AdamW alone, or Muon on the blocks' matrices plus AdamW on the rest (same learning rate)."""
+    fused = cfg.fused and torch.cuda.is_available()
+    exclude = is_muon_param if cfg.name == "muon" else (lambda name, p: False)
+    opts: list[torch.optim.Optimizer] = [
+        torch.optim.AdamW(param_groups(model, cfg.weight_decay, exclude), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                          eps=cfg.eps, fused=fused, foreach=None if fused else True)]
+    if cfg.name == "muon":
+        matrices = [p for n, p in model.named_parameters() if p.requires_grad and is_muon_param(n, p)]
+        opts.append(Muon(matrices, lr=cfg.lr, momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov,
+                         ns_steps=cfg.muon_ns_steps, weight_decay=cfg.weight_decay))
+    return opts
+
+
 class Optimizers:
-    """One AdamW per model part, stepped together; its state dict is keyed by parameter FQN so it
-    reshards across layouts through torch.distributed.checkpoint."""
+    """The optimizers of every model part, stepped together; their state dict is keyed by parameter FQN so
+    it reshards across layouts through torch.distributed.checkpoint."""
 
     def __init__(self, parts: list[nn.Module], cfg: OptimizerSection):
-        fused = cfg.fused and torch.cuda.is_available()
         self.parts = parts
-        self.optimizers = [
-            torch.optim.AdamW(param_groups(m, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                              eps=cfg.eps, fused=fused, foreach=None if fused else True)
-            for m in parts
-        ]
+        self.per_part = [build_part_optimizers(m, cfg) for m in parts]
+        self.optimizers = [opt for opts in self.per_part for opt in opts]
         self.base_lr = cfg.lr
 
     def set_lr(self, lr: float) -> None:
@@ -56,10 +74,10 @@ class Optimizers:
 
     def state_dict(self) -> dict:
         sd: dict = {}
-        for m, opt in zip(self.parts, self.optimizers, strict=True):
-            sd.update(get_optimizer_state_dict(m, opt, options=StateDictOptions(flatten_optimizer_state_dict=True)))
+        for m, opts in zip(self.parts, self.per_part, strict=True):
+            sd.update(get_optimizer_state_dict(m, opts, options=StateDictOptions(flatten_optimizer_state_dict=True)))
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
-        for m, opt in zip(self.parts, self.optimizers, strict=True):
-            set_optimizer_state_dict(m, opt, sd, options=StateDictOptions(flatten_optimizer_state_dict=True))
+        for m, opts in zip(self.parts, self.per_part, strict=True):
+            set_optimizer_state_dict(m, opts, sd, options=StateDictOptions(flatten_optimizer_state_dict=True))

@@ -1,0 +1,363 @@
+"""Document masking, attention / output Z-regularisation and interleaved KV sharing: against references
+(one document alone, float64 autograd of the virtual loss, closed-form parameter counts) and, in real
+gloo processes, every layout against one process."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from trainer_utils import losses, read_metrics, run_trainer
+
+from torchtitan_ext.data.documents import document_batch
+from torchtitan_ext.models.args import ModelArgs
+from torchtitan_ext.models.decoder import Attention, Decoder, apply_rope, rope_tables
+from torchtitan_ext.models.param_count import count_params
+from torchtitan_ext.ops.visibility import visibility_mask
+from torchtitan_ext.ops.zreg import VirtualLoss
+
+EOT = 1
+ARGS = ModelArgs(vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=64,
+                 qk_norm=True, rope_fraction=0.5)
+
+
+def _model(args: ModelArgs = ARGS, seed: int = 0) -> Decoder:
+    torch.manual_seed(seed)
+    model = Decoder(args).double()
+    model.init_buffers(torch.device("cpu"))
+    with torch.no_grad():
+        for p in model.parameters():  # random norms too, so QK-norm weights matter
+            p.copy_(torch.randn_like(p) * (0.3 if p.ndim > 1 else 1.0))
+    return model
+
+
+def _doc(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, 50, (n - 1,), generator=g).tolist() + [EOT]
+
+
+@pytest.mark.parametrize("kv_share", ["none", "interleaved"])
+def test_packed_documents_equal_documents_alone(kv_share):
+    args = dataclasses.replace(ARGS, kv_share=kv_share, n_layers=4)
+    model = _model(args)
+    docs = [_doc(1, 9), _doc(2, 14), _doc(3, 9)]
+    packed = torch.tensor([sum(docs, [])])
+    labels = torch.roll(packed, -1, 1)
+    vis, pos = document_batch(packed, EOT)
+    logits = model(packed, visibility=vis, positions=pos)
+    other = [docs[0], _doc(4, 14), docs[2]]  # another middle document: the outer two must not notice
+    logits_other = model(torch.tensor([sum(other, [])]), visibility=vis, positions=pos)
+    at = 0
+    for i, d in enumerate(docs):
+        alone = model(torch.tensor([d]))
+        part = logits[:, at:at + len(d)]
+        torch.testing.assert_close(part, alone, atol=1e-10, rtol=1e-10)
+        if i != 1:
+            torch.testing.assert_close(logits_other[:, at:at + len(d)], part, atol=0, rtol=0)
+        # per-token loss: the last token's label crosses into the next document, so compare the rest
+        ce = F.cross_entropy(part[0, :-1], labels[0, at:at + len(d) - 1], reduction="none")
+        ce_alone = F.cross_entropy(alone[0, :-1], torch.tensor(d[1:]), reduction="none")
+        torch.testing.assert_close(ce, ce_alone, atol=1e-10, rtol=1e-10)
+        at += len(d)
+    # without the mask the documents do see each other
+    assert not torch.allclose(model(packed)[:, 9:23], model(torch.tensor([docs[1]])))
+
+
+def test_document_batch_cut_documents_continue():
+    inputs = torch.tensor([[5, 6, EOT, 7, 8, EOT, 9], [EOT, 3, 4, 5, EOT, 6, 7]])
+    (start, limit), pos = document_batch(inputs, EOT, offsets=torch.tensor([10, 4]))
+    assert start.tolist() == [list(range(7))] * 2
+    assert limit.tolist() == [[3, 3, 3, 6, 6, 6, 7], [1, 5, 5, 5, 5, 7, 7]]
+    assert pos.tolist() == [[10, 11, 12, 0, 1, 2, 0], [4, 0, 1, 2, 3, 0, 1]]
+    m = visibility_mask(start, limit)[0]
+    assert m[4].tolist() == [False, False, False, True, True, False, False]
+
+
+def test_loader_continues_positions_of_cut_documents():
+    """The loader's windows: a document cut by the window start keeps counting its positions."""
+    import numpy as np
+
+    from torchtitan_ext.data.documents import Documents
+
+    shard = np.array([5, 6, 7, EOT, 8, 9, 9, 9, 9, EOT, 4], dtype=np.int32)
+    docs = Documents(EOT, position_reset=True)
+    inputs = torch.from_numpy(np.stack([shard[6:10], shard[2:6]]).astype(np.int64))
+    (_, limit), pos = docs.batch(inputs, [shard], [(0, 6), (0, 2)])
+    assert pos.tolist() == [[2, 3, 4, 5], [2, 3, 0, 1]] and limit.tolist() == [[4, 4, 4, 4], [2, 2, 4, 4]]
+    assert Documents(EOT, position_reset=False).batch(inputs, [shard], [(0, 6), (0, 2)])[1] is None
+
+
+def _ref_attention_lse(attn: Attention, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Textbook float64 attention of one layer (heads repeated for GQA): (output before wo, lse)."""
+    b, t, _ = x.shape
+    hd = attn.head_dim
+    q, k, v = attn.wq(x).view(b, t, -1, hd), attn.wk(x).view(b, t, -1, hd), attn.wv(x).view(b, t, -1, hd)
+    q, k = attn.q_norm(q), attn.k_norm(k)
+    cos, sin = rope_tables(ARGS)
+    q, k = apply_rope(q, cos[:t].double(), sin[:t].double()), apply_rope(k, cos[:t].double(), sin[:t].double())
+    rep = q.shape[2] // k.shape[2]
+    q, k, v = q.transpose(1, 2), k.repeat_interleave(rep, 2).transpose(1, 2), \
+        v.repeat_interleave(rep, 2).transpose(1, 2)
+    s = (q @ k.transpose(-1, -2) / math.sqrt(hd)).masked_fill(~mask[:, None], float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    return (torch.softmax(s, -1) @ v).transpose(1, 2).reshape(b, t, -1), lse
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_attention_zreg_gradient_one_layer(masked):
+    torch.manual_seed(0)
+    attn = Attention(ARGS, use_rope=True).double()
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.copy_(torch.randn_like(p) * 0.5)
+    b, t, coef = 2, 12, 0.3
+    x = torch.randn(b, t, ARGS.dim, dtype=torch.float64)
+    w = torch.randn(b, t, ARGS.dim, dtype=torch.float64)
+    vis, _ = document_batch(torch.tensor([[3, 4, EOT, 5, 6, 7, EOT, 8, 9, 3, 4, 5]] * b), EOT)
+    mask = visibility_mask(*vis) if masked else torch.ones(t, t, dtype=torch.bool).tril()[None].expand(b, t, t)
+    cos, sin = rope_tables(ARGS)
+    rope = (cos[:t][None].double(), sin[:t][None].double())
+    attn.z_reg, VirtualLoss.scale = coef, 1.0
+    out = attn(x, rope, mask if masked else None)
+    (out * w).sum().backward()
+    got = {n: p.grad.clone() for n, p in attn.named_parameters()}
+    attn.zero_grad()
+    attn.z_reg = 0.0
+    ref, lse = _ref_attention_lse(attn, x, mask)
+    virtual = coef * lse.pow(2).sum() / (ARGS.n_heads * ARGS.n_layers * b * t)
+    assert virtual.item() > 1e-3  # the regulariser is not negligible here
+    ((attn.wo(ref) * w).sum() + virtual).backward()
+    for n, p in attn.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, atol=1e-10, rtol=1e-9)
+    VirtualLoss.scale = 1.0
+
+
+def test_attention_zreg_gradient_whole_model():
+    """The whole model, float64: gradients with Z-reg equal autograd of CE + sum of the layers' virtual
+    losses, each layer's LSE recomputed by the textbook reference from that layer's input."""
+    model, coef = _model(), 0.2
+    tokens = torch.randint(2, 50, (2, 16), generator=torch.Generator().manual_seed(0))
+    labels = torch.roll(tokens, -1, 1)
+    b, t = tokens.shape
+    vis, pos = document_batch(tokens.masked_fill(torch.arange(t) % 7 == 6, EOT), EOT)
+    mask = visibility_mask(*vis)
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.z_reg = coef
+    VirtualLoss.scale = 0.5  # as with two micro-batches: the main loss is divided by 2 as well
+    (F.cross_entropy(model(tokens, visibility=vis).flatten(0, 1), labels.flatten()) * 0.5).backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    virtual = []
+    hooks = []
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.z_reg = 0.0
+            hooks.append(m.register_forward_pre_hook(
+                lambda mod, args: virtual.append(_ref_attention_lse(mod, args[0], mask)[1].pow(2).sum())))
+    loss = F.cross_entropy(model(tokens, visibility=vis).flatten(0, 1), labels.flatten())
+    total = loss + coef * sum(virtual) / (ARGS.n_heads * ARGS.n_layers * b * t)
+    (total * 0.5).backward()
+    for h in hooks:
+        h.remove()
+    assert (total - loss).item() > 1e-3  # the regulariser is not negligible here
+    for n, p in model.named_parameters():  # random weights of scale 0.3: float64 rounding reaches ~1e-9
+        torch.testing.assert_close(got[n], p.grad, atol=1e-8, rtol=1e-6, msg=n)
+    VirtualLoss.scale = 1.0
+
+
+def test_output_zreg_gradient_and_value():
+    from torchtitan_ext.ops.zreg import output_z_term
+
+    logits = torch.randn(2, 5, 11, dtype=torch.float64, requires_grad=True)
+    term = output_z_term(logits, 0.1)
+    assert term.item() == 0.0
+    term.backward()
+    ref = logits.detach().clone().requires_grad_()
+    (0.1 * torch.logsumexp(ref, -1).pow(2).mean()).backward()
+    torch.testing.assert_close(logits.grad, ref.grad.to(logits.grad.dtype), atol=1e-6, rtol=1e-6)
+
+
+def test_zreg_lowers_attention_lse():
+    """200 steps of a tiny model on a fixed stream: Z-reg ends with a lower mean attention LSE."""
+    args = dataclasses.replace(ARGS, n_layers=1, dim=32)
+    data = torch.randint(2, 50, (8, 33), generator=torch.Generator().manual_seed(0))
+
+    def train(coef: float) -> float:
+        torch.manual_seed(0)
+        model = Decoder(args)
+        model.init_buffers(torch.device("cpu"))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn_like(p) * (0.1 if p.ndim > 1 else 1.0))
+        attn = model.layers["0"].attention
+        attn.z_reg = coef
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        for _ in range(200):
+            opt.zero_grad()
+            F.cross_entropy(model(data[:, :-1]).flatten(0, 1), data[:, 1:].flatten()).backward()
+            opt.step()
+        attn.record_lse = True
+        with torch.no_grad():
+            model(data[:, :-1])
+        return attn.lse_mean.item()
+
+    plain, reg = train(0.0), train(1.0)
+    assert reg < plain - 0.3, (plain, reg)
+
+
+def test_kv_share_param_counts():
+    for args in (dataclasses.replace(ARGS, kv_share="interleaved"),
+                 dataclasses.replace(ARGS, kv_share="interleaved", n_layers=5, kv_share_group=3),
+                 dataclasses.replace(ARGS, n_layers=3, qk_norm=False, kv_share="interleaved")):
+        model = Decoder(args)
+        assert sum(p.numel() for p in model.parameters()) == count_params(args)["total"]
+        plain = dataclasses.replace(args, kv_share="none")
+        hd, kv_layers = args.hdim, math.ceil(args.n_layers / args.kv_share_group)
+        saved = (args.n_layers - kv_layers) * (2 * args.dim * args.kv_heads * hd + (hd if args.qk_norm else 0))
+        assert count_params(plain)["total"] - count_params(args)["total"] == saved
+        assert count_params(args)["kv_per_token"] == 2 * kv_layers * args.kv_heads * hd
+        consumers = [m for m in model.modules() if isinstance(m, Attention) and not m.computes_kv]
+        assert len(consumers) == args.n_layers - kv_layers and all(m.wk is None for m in consumers)
+
+
+ALL = ["--data.attention", "document", "--data.position_reset", "true", "--training.attention_z_reg", "0.05",
+       "--training.output_z_reg", "0.01", "--model.kv_share", "interleaved"]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("attn") / "one"
+    run_trainer(dump, 0, *ALL, "--training.steps", "6")
+    return dump
+
+
+def _close(a: dict, b: dict, tol: float = 2e-4):
+    assert a.keys() == b.keys() and len(a) >= 5
+    for step in a:
+        assert abs(a[step] - b[step]) < tol, (step, a, b)
+
+
+def test_all_options_train_and_log_lse(one_process):
+    steps = losses(one_process)
+    assert steps[6] < steps[1] - 1.0  # a KV-shared, document-masked, Z-regularised model learns
+    rec = read_metrics(one_process)[-1]
+    assert {f"attn/lse/{i}" for i in range(4)} <= rec.keys() and all(math.isfinite(rec[f"attn/lse/{i}"])
+                                                                       for i in range(4))
+
+
+def test_zreg_leaves_logged_loss(one_process, tmp_path):
+    """Same model and data without the gradient-only regularisers: the first step's loss (same weights) is
+    identical, and later ones differ (the regularisers did change the gradients)."""
+    run_trainer(tmp_path, 0, *ALL[:4], *ALL[-2:], "--training.steps", "3")
+    plain, reg = losses(tmp_path), losses(one_process)
+    assert plain[1] == reg[1]
+    assert plain[3] != reg[3]
+
+
+@pytest.mark.parametrize("nproc, layout", [
+    (2, ["--training.local_batch_size", "2"]), (2, ["--parallelism.tp", "2"]),
+    (0, ["--activation_checkpoint.mode", "full"]),
+    pytest.param(0, ["--training.compile", "true", "--activation_checkpoint.mode", "selective"],
+                 marks=pytest.mark.slow)], ids=["fsdp2", "tp2", "ac_full", "compile_sac"])
+def test_all_options_layouts_equal_one_process(one_process, tmp_path, nproc, layout):
+    run_trainer(tmp_path, nproc, *ALL, "--training.steps", "6", *layout)
+    _close(losses(tmp_path), losses(one_process))
+
+
+@pytest.mark.slow
+def test_all_options_fsdp2_tp2_and_pp2_equal_one_process(one_process, tmp_path):
+    """KV sharing with masks and Z-reg under FSDP2 x TP2 (4 processes), and PP2, whose stages pass the
+    micro-batch's mask and positions on."""
+    run_trainer(tmp_path / "fsdp_tp", 4, *ALL, "--training.steps", "6", "--training.local_batch_size", "2",
+                "--parallelism.tp", "2")
+    _close(losses(tmp_path / "fsdp_tp"), losses(one_process))
+    run_trainer(tmp_path / "pp", 2, *ALL, "--training.steps", "6", "--parallelism.pp", "2")
+    _close(losses(tmp_path / "pp"), losses(one_process))
+    bad = run_trainer(tmp_path / "bad", 2, *ALL, "--parallelism.pp", "2", "--parallelism.pp_split_points",
+                      "layers.1", check=False)
+    assert bad.returncode != 0 and "error: model.kv_share = 'interleaved' (groups of 2): a pipeline stage starts " \
+        "at layer 1" in bad.stdout + bad.stderr
+
+
+def test_bad_options_one_line(tmp_path):
+    for extra, words in ((["--data.attention", "trees"], "data.attention"),
+                         (["--data.position_reset", "true"], "position_reset"),
+                         (["--training.attention_z_reg", "-1"], "attention_z_reg"),
+                         (["--model.kv_share_group", "0"], "kv_share_group")):
+        proc = run_trainer(tmp_path, 0, *extra, check=False)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert proc.stderr.strip().count("\n") == 0 and words in proc.stderr, proc.stderr
+
+
+def _write_trees(path, n: int, seed: int) -> list[dict]:
+    rng = torch.Generator().manual_seed(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz "
+    trees = []
+    for t in range(n):
+        nodes = []
+        for i in range(int(torch.randint(1, 6, (1,), generator=rng))):
+            parent = None if i == 0 else int(torch.randint(0, i, (1,), generator=rng))
+            text = "".join(letters[int(c)] for c in torch.randint(0, 27, (int(torch.randint(2, 9, (1,),
+                                                                                             generator=rng)),),
+                                                                   generator=rng))
+            nodes.append({"id": f"{t}-{i}", "parent": None if parent is None else f"{t}-{parent}", "text": text})
+        trees.append({"nodes": nodes[::-1]})  # any order in the file: prepare sorts them
+    path.write_text("\n".join(json.dumps(x) for x in trees) + "\n")
+    return trees
+
+
+def test_tree_shards_and_windows(tmp_path):
+    from torchtitan_ext.data.tokenizer import ByteTokenizer
+    from torchtitan_ext.data.trees import TreeDataLoader, prepare_trees
+
+    _write_trees(tmp_path / "t.jsonl", 30, 0)
+    tok = ByteTokenizer()
+    counts = prepare_trees([tmp_path / "t.jsonl"], tmp_path / "out", tok)
+    assert counts["trees"] == 30
+    loader = TreeDataLoader(sorted((tmp_path / "out").glob("*.bin")), 64, 2, 0, 1, 0, True, eot_id=tok.eot_id)
+    batch = loader.next_batch()
+    start, limit = batch.visibility
+    m = visibility_mask(start, limit)
+    for row in range(2):
+        inputs, labels, pos = batch.inputs[row], batch.labels[row], batch.positions[row]
+        for q in range(64):
+            seen = m[row, q].nonzero().flatten().tolist()
+            # Along a path, positions count the visible tokens before q, and the visible tokens read in
+            # order are exactly q's root-to-node text (a token sees its ancestors, never a sibling).
+            if inputs[q] != tok.eot_id or labels[q] != -100:
+                assert pos[q] == len(seen) - 1
+            if labels[q] != -100:  # a label continues the path: the next token sees everything q sees
+                assert m[row, q + 1, seen].all() and labels[q] == inputs[q + 1]
+    # Each node's text follows its parent's on the path the model sees.
+    ids = batch.inputs[0].tolist()
+    last = max(q for q in range(64) if batch.labels[0, q] != -100 or pos[q] > 0)
+    text = bytes(ids[k] for k in m[0, last].nonzero().flatten().tolist() if ids[k] < 256).decode()
+    assert all(c in "abcdefghijklmnopqrstuvwxyz " for c in text)
+
+
+def test_tree_data_trains_and_resumes_exactly(tmp_path):
+    from torchtitan_ext.data.trees import main as prepare_main
+
+    _write_trees(tmp_path / "t.jsonl", 60, 1)
+    from torchtitan_ext.data.prepare import main as data_prepare
+
+    assert data_prepare(["--trees", "--input", str(tmp_path / "t.jsonl"), "--output-dir", str(tmp_path / "data"),
+                         "--tokenizer", "byte"]) == 0
+    data = ["--data.dataset", "shards", "--data.train_path", str(tmp_path / "data"), "--data.attention", "tree",
+            "--data.position_reset", "true", "--checkpoint.enabled", "true", "--checkpoint.interval", "3",
+            "--training.attention_z_reg", "0.01"]
+    run_trainer(tmp_path / "full", 0, *data, "--training.steps", "6")
+    shutil.copytree(tmp_path / "full" / "checkpoint" / "step-3", tmp_path / "resumed" / "checkpoint" / "step-3")
+    run_trainer(tmp_path / "resumed", 0, *data, "--training.steps", "6")
+    full, resumed = losses(tmp_path / "full"), losses(tmp_path / "resumed")
+    assert sorted(resumed) == [4, 5, 6] and all(full[s] == resumed[s] for s in (4, 5, 6)), (full, resumed)
+    assert full[6] < full[1]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"nodes": [{"id": 1, "parent": 2, "text": "x"}, {"id": 2, "parent": 1, "text": "y"}]}\n')
+    assert prepare_main(["--input", str(bad), "--output-dir", str(tmp_path / "bad")]) == 2

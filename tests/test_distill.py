@@ -1,0 +1,251 @@
+"""Gumbel top-k distillation: sampling and soft targets by hand, unbiasedness by Monte Carlo, the sparse loss
+against the dense soft cross-entropy in float64 (one process and TP2), sidecars, teacher pass and student."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from dist_utils import free_port, run_distributed
+from trainer_utils import REPO, TINY, losses, read_metrics, run_trainer
+
+from torchtitan_ext.data.shards import read_shard, write_shard
+from torchtitan_ext.distill.gumbel import (
+    dense_soft_cross_entropy,
+    sample_topk,
+    soft_targets,
+    sparse_soft_cross_entropy,
+    target_weights,
+)
+from torchtitan_ext.distill.sidecar import Sidecar, sidecar_path
+
+
+def test_sample_topk_by_hand():
+    lp = torch.log_softmax(torch.tensor([[2.0, 0.5, -1.0, 1.0, 0.0]]), -1)
+    gen = torch.Generator().manual_seed(7)
+    tokens, kept, thr = sample_topk(lp, 2, generator=gen)
+    e = torch.empty_like(lp).exponential_(generator=torch.Generator().manual_seed(7))
+    noisy = (lp - e.log())[0].tolist()
+    order = sorted(range(5), key=lambda v: -noisy[v])
+    assert tokens[0].tolist() == order[:2]
+    assert kept[0].tolist() == pytest.approx([lp[0, v].item() for v in order[:2]])
+    assert thr[0].tolist() == pytest.approx([noisy[order[1]], noisy[order[2]]])  # ranks 2 and 3
+    with pytest.raises(ValueError):
+        sample_topk(lp, 5)
+
+
+def test_soft_targets_by_hand():
+    tokens = torch.tensor([[3, 1]])
+    lp = torch.tensor([[math.log(0.5), math.log(0.2)]])
+    thr = torch.tensor([[-0.3, 0.4]])
+    # k' = 1: tau = thresholds[0]
+    q = 1 - math.exp(-math.exp(math.log(0.5) + 0.3))
+    dense = soft_targets(tokens, lp, thr, 1, 5, normalize=False, dtype=torch.float64)
+    assert dense[0].tolist() == pytest.approx([0, 0, 0, 0.5 / q, 0])
+    assert soft_targets(tokens, lp, thr, 1, 5, dtype=torch.float64)[0].tolist() == pytest.approx([0, 0, 0, 1, 0])
+    # k' = 2: tau = thresholds[1]
+    q3, q1 = (1 - math.exp(-math.exp(math.log(p) - 0.4)) for p in (0.5, 0.2))
+    t = soft_targets(tokens, lp, thr, 2, 5, normalize=False, dtype=torch.float64)[0]
+    assert t.tolist() == pytest.approx([0, 0.2 / q1, 0, 0.5 / q3, 0])
+    n = soft_targets(tokens, lp, thr, 2, 5, dtype=torch.float64)[0]
+    assert n.sum().item() == pytest.approx(1.0)
+    assert n[3].item() / n[1].item() == pytest.approx((0.5 / q3) / (0.2 / q1))
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_unnormalised_targets_average_to_teacher(k):
+    torch.manual_seed(0)
+    p = torch.softmax(torch.tensor([1.5, 0.3, -0.5, 0.9, -2.0, 0.0, -1.0, 0.2], dtype=torch.float64), -1)
+    n = 200_000
+    lp = p.log().expand(n, -1).contiguous()
+    tokens, kept, thr = sample_topk(lp, k, generator=torch.Generator().manual_seed(1))
+    mean = soft_targets(tokens, kept, thr, k, 8, normalize=False, dtype=torch.float64).mean(0)
+    # standard error of a mean of T(v) <= sqrt(p / Q_min) / sqrt(n); 0.01 absolute is > 4 sigma here
+    assert torch.allclose(mean, p, atol=0.01), (mean, p)
+    # a biased estimator (clean probabilities, no 1/Q correction) is visibly off for the kept-rarely tokens
+    naive = torch.zeros(n, 8, dtype=torch.float64).scatter_(-1, tokens, kept.double().exp()).mean(0)
+    assert (naive - p).abs().max() > 0.05
+
+
+def _case(seed: int = 0, vocab: int = 12, k: int = 4):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(3, 5, vocab, dtype=torch.float64, generator=g)
+    teacher = torch.log_softmax(torch.randn(3, 5, vocab, dtype=torch.float64, generator=g) * 2, -1)
+    tokens, kept, thr = sample_topk(teacher, k, generator=g)
+    return logits, tokens, kept, thr
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_sparse_equals_dense_float64(normalize):
+    logits, tokens, kept, thr = _case()
+    a = logits.clone().requires_grad_()
+    b = logits.clone().requires_grad_()
+    sparse = sparse_soft_cross_entropy(a, tokens, target_weights(kept, thr, 3, normalize))
+    dense = dense_soft_cross_entropy(b, soft_targets(tokens, kept, thr, 3, 12, normalize, torch.float64))
+    sparse.backward()
+    dense.backward()
+    assert sparse.dtype == torch.float64
+    torch.testing.assert_close(sparse, dense, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)
+
+
+def _tp2_sparse(rank: int, world: int) -> tuple[float, torch.Tensor]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    mesh = init_device_mesh("cpu", (world,))
+    logits, tokens, kept, thr = _case(vocab=13)  # uneven shards: 7 + 6
+    local = logits[..., rank * 7:(rank + 1) * 7].clone().requires_grad_()
+    sharded = DTensor.from_local(local, mesh, [Shard(-1)], shape=logits.shape, stride=logits.stride())
+    loss = sparse_soft_cross_entropy(sharded, tokens, target_weights(kept, thr))
+    loss.backward()
+    return loss.item(), local.grad
+
+
+def test_sparse_equals_dense_under_tp2():
+    logits, tokens, kept, thr = _case(vocab=13)
+    ref = logits.clone().requires_grad_()
+    dense = dense_soft_cross_entropy(ref, soft_targets(tokens, kept, thr, 4, 13, True, torch.float64))
+    dense.backward()
+    for rank, (loss, grad) in enumerate(run_distributed(_tp2_sparse, 2)):
+        assert loss == pytest.approx(dense.item(), rel=1e-12)
+        torch.testing.assert_close(grad, ref.grad[..., rank * 7:(rank + 1) * 7], rtol=1e-10, atol=1e-12)
+
+
+# --- teacher pass, sidecars and the student, on the debug model over two small byte shards ---
+
+def _byte_shards(folder: Path) -> None:
+    src = b"".join(p.read_bytes() for p in sorted(Path(np.__file__).parent.glob("*.py"))[:40])
+    (folder / "train").mkdir(parents=True)
+    (folder / "val").mkdir()
+    write_shard(folder / "train" / "train_0.bin", np.frombuffer(src[:24000], np.uint8).astype(np.int64))
+    write_shard(folder / "train" / "train_1.bin", np.frombuffer(src[24000:40000], np.uint8).astype(np.int64))
+    write_shard(folder / "val" / "val_0.bin", np.frombuffer(src[40000:48000], np.uint8).astype(np.int64))
+
+
+def _job(root: Path) -> list[str]:
+    return ["--data.dataset", "shards", "--data.train_path", str(root / "data" / "train"),
+            "--data.tokenizer", "none", "--model.vocab_size", "256", "--training.seq_len", "64"]
+
+
+def _teacher_pass(root: Path, out: Path, *extra: str, nproc: int = 0) -> subprocess.CompletedProcess:
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
+              "127.0.0.1", "--master_port", str(free_port())] if nproc else [sys.executable]
+    cmd = [*launch, "-m", "torchtitan_ext.distill.teacher", *TINY, *_job(root),
+           "--job.dump_folder", str(root / "teacher"), "--output", str(out), "--k", "8", *(extra or ("--batch", "16"))]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def distilled(tmp_path_factory):
+    """A teacher trained 40 steps, its sidecars (k = 8), and students with alpha 0.9 and 0 (hard labels)."""
+    root = tmp_path_factory.mktemp("distill")
+    _byte_shards(root / "data")
+    run_trainer(root / "teacher", 0, *_job(root), "--training.steps", "40", "--checkpoint.enabled", "true",
+                "--checkpoint.interval", "40")
+    proc = _teacher_pass(root, root / "side")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    students = {}
+    for alpha in ("0.9", "0.0"):
+        run_trainer(root / f"student{alpha}", 0, *_job(root), "--training.steps", "30", "--job.seed", "1",
+                    "--distill.path", str(root / "side"), "--distill.alpha", alpha)
+        students[alpha] = read_metrics(root / f"student{alpha}")
+    return root, proc, students
+
+
+def test_sidecars_line_up_with_shards(distilled):
+    root, proc, _ = distilled
+    assert "96 bytes/token at k = 8 vs dense bf16 512" in proc.stdout
+    shard = root / "data" / "train" / "train_0.bin"
+    tokens = read_shard(shard)
+    side = Sidecar(sidecar_path(root / "side", shard))
+    assert (side.k, side.vocab, side.n_tokens, side.window) == (8, 256, len(tokens), 64)
+    assert side.windows_done == side.n_windows() == (len(tokens) - 1) // 64
+    assert (side.tokens[0] == -1).all() and (side.tokens[1:side.n_windows() * 64 + 1] >= 0).all()
+    # the teacher, rerun on one window, predicts row w*64 + 1 + i from tokens w*64 .. w*64 + i
+    rows = slice(3 * 64 + 1, 4 * 64 + 1)
+    assert (side.log_probs[rows] <= 0).all()
+    lp = torch.from_numpy(np.array(side.log_probs[rows]))
+    assert (lp[:, :-1] >= lp[:, 1:] - 10).all()  # sane: kept tokens are likely ones
+    seen = np.array(side.tokens[rows])
+    hits = (seen == tokens[rows][:, None]).any(1).mean()
+    assert hits > 0.5, hits  # the true next byte is among the 8 kept tokens at most positions
+
+
+def test_student_soft_ce_falls_faster_than_hard_labels(distilled):
+    _, _, students = distilled
+    late = {a: np.mean([r["distill/soft_ce"] for r in m[-10:]]) for a, m in students.items()}
+    assert students["0.9"][0]["distill/soft_ce"] == pytest.approx(students["0.0"][0]["distill/soft_ce"])
+    print(f"soft CE to the teacher, mean of steps 21-30: distilled {late['0.9']:.3f}, hard labels {late['0.0']:.3f}")
+    assert late["0.9"] < late["0.0"] - 0.1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["--training.local_batch_size", "2"], ["--parallelism.tp", "2"]],
+                         ids=["fsdp2", "tp2"])
+def test_two_process_student_equals_one_process(distilled, tmp_path, layout):
+    """FSDP2 (each rank half the batch) and TP2 (the soft loss on vocabulary-sharded logits) students."""
+    root, _, students = distilled
+    run_trainer(tmp_path / "two", 2, *_job(root), "--training.steps", "30", "--job.seed", "1", *layout,
+                "--distill.path", str(root / "side"), "--distill.alpha", "0.9")
+    two = losses(tmp_path / "two")
+    one = {r["step"]: r["loss"] for r in students["0.9"]}
+    for step in (1, 2, 10, 30):
+        assert two[step] == pytest.approx(one[step], rel=2e-4, abs=2e-4), step
+
+
+def test_teacher_pass_resumes_to_the_same_bytes(distilled, tmp_path):
+    root, _, _ = distilled
+    shard = root / "data" / "train" / "train_1.bin"
+    full = sidecar_path(root / "side", shard).read_bytes()
+    out = tmp_path / "side"
+    out.mkdir()
+    partial = sidecar_path(out, shard)
+    partial.write_bytes(full)
+    side = Sidecar(partial, "r+")
+    side.tokens[100 * 64:] = -1  # a crash after 96 windows: later rows never written
+    side.set_windows_done(96)
+    shutil.copy(sidecar_path(root / "side", root / "data" / "train" / "train_0.bin"), out)
+    proc = _teacher_pass(root, out)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "train_1.bin: 112/249" in proc.stderr and "train_1.bin: 16/249" not in proc.stderr
+    assert partial.read_bytes() == full
+
+
+@pytest.mark.slow
+def test_teacher_pass_under_fsdp2_writes_the_same_sidecars(distilled, tmp_path):
+    """The teacher checkpoint loads sharded over 2 processes (another batch too): the same bytes."""
+    root, _, _ = distilled
+    proc = _teacher_pass(root, tmp_path / "side", "--batch", "8", nproc=2)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for name in ("train_0.bin.topk", "train_1.bin.topk"):
+        assert (tmp_path / "side" / name).read_bytes() == (root / "side" / name).read_bytes(), name
+
+
+def test_corrupted_or_misaligned_sidecars_give_one_line(distilled, tmp_path):
+    root, _, _ = distilled
+    for case in ("corrupt", "truncate", "swap"):
+        side_dir = tmp_path / case
+        shutil.copytree(root / "side", side_dir)
+        a, b = side_dir / "train_0.bin.topk", side_dir / "train_1.bin.topk"
+        if case == "corrupt":
+            Sidecar(a, "r+").tokens[1:] = 999  # outside the vocabulary of 256
+        elif case == "truncate":
+            a.write_bytes(a.read_bytes()[:-100])
+        else:
+            a_bytes = a.read_bytes()
+            a.write_bytes(b.read_bytes())
+            b.write_bytes(a_bytes)
+        proc = run_trainer(tmp_path / f"run-{case}", 0, *_job(root), "--distill.path", str(side_dir), check=False)
+        err = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(err) == 1 and err[0].startswith("error: "), proc.stderr[-2000:]
+        assert "train_0.bin.topk" in err[0], err[0]
+        expect = {"corrupt": "corrupted rows", "truncate": "truncated", "swap": "line up"}[case]
+        assert expect in err[0], err[0]

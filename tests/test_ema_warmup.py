@@ -1,0 +1,119 @@
+"""EMA against a float64 reference (one process and FSDP2), batch-size warmup's schedule, and exact resume
+mid-ramp with the EMA in the checkpoint."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn as nn
+from dist_utils import run_distributed
+from trainer_utils import read_metrics, run_trainer
+
+from torchtitan_ext.train.batch_warmup import BatchWarmup
+from torchtitan_ext.train.ema import EMA
+
+
+def _updates(model: nn.Module, steps: int) -> list[dict[str, torch.Tensor]]:
+    """Deterministic parameter trajectories (what optimizer steps would produce), float64."""
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(steps):
+        out.append({n: torch.randn(p.shape, generator=g, dtype=torch.float64) for n, p in model.named_parameters()})
+    return out
+
+
+def _reference(traj: list[dict], decay: float, every: int, start: int) -> dict[str, torch.Tensor]:
+    ema = None
+    for step, params in enumerate(traj, start=1):
+        if step < start or (step - start) % every:
+            continue
+        ema = dict(params) if ema is None else {n: decay * ema[n] + (1 - decay) * params[n] for n in ema}
+    return ema
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+@pytest.mark.parametrize("every, start", [(1, 0), (2, 3)])
+def test_ema_equals_float64_reference(every, start):
+    model = _model()
+    ema = EMA([model], 0.9, every, start)
+    traj = _updates(model, 12)
+    for step, params in enumerate(traj, start=1):
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(params[n])
+        ema.update(step)
+    ref = _reference(traj, 0.9, every, start)
+    for n in ref:
+        assert ema.shadow[n].dtype == torch.float32
+        torch.testing.assert_close(ema.shadow[n].double(), ref[n], rtol=1e-6, atol=1e-6)
+    # swapped in for evaluation, then the trained weights come back
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with ema.swapped_in():
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.detach(), ema.shadow[n])
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), before[n])
+
+
+def _fsdp_ema(rank: int, world: int) -> dict[str, torch.Tensor]:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    model = _model()
+    traj = _updates(model, 10)
+    fully_shard(model)
+    ema = EMA([model], 0.8, 1, 0)
+    for step, params in enumerate(traj, start=1):
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(torch.distributed.tensor.distribute_tensor(params[n].float(), p.device_mesh, p.placements))
+        ema.update(step)
+    assert all(isinstance(t, DTensor) and t.to_local().numel() < t.numel() or t.numel() < world
+               for t in ema.shadow.values())  # sharded like the parameters
+    return {n: t.full_tensor() for n, t in ema.shadow.items()}
+
+
+def test_ema_under_fsdp_equals_float64_reference():
+    ref = _reference(_updates(_model(), 10), 0.8, 1, 0)
+    for shadows in run_distributed(_fsdp_ema, 2):
+        for n in ref:
+            torch.testing.assert_close(shadows[n].double(), ref[n], rtol=1e-6, atol=1e-6)
+
+
+def test_batch_warmup_schedule_by_hand():
+    w = BatchWarmup(full_micro=4, start_micro=1, micro_tokens=100, warmup_tokens=1000, steps=10)
+    # tokens consumed before steps 1..8: 0, 100, 200, 300, 400, 600, 800, 1100 -> 1 + 3 * consumed // 1000
+    # micro-batches while consumed < 1000, then the full 4
+    assert [w.micro_batches(s) for s in range(1, 9)] == [1, 1, 1, 1, 2, 2, 3, 4]
+    assert w.tokens_through(8) == 1500
+    assert w.effective_step(8) == pytest.approx(15 / 4)
+    assert [BatchWarmup(4, 4, 100, 1000, 3).micro_batches(s) for s in (1, 2, 3)] == [4, 4, 4]
+
+
+WARMUP = ["--training.global_batch_size", "16", "--training.batch_warmup_tokens", "2048",
+          "--training.batch_warmup_start", "1", "--ema.decay", "0.8", "--eval.use_ema", "true",
+          "--eval.steps", "2", "--eval.interval", "4", "--training.steps", "8", "--checkpoint.enabled", "true",
+          "--checkpoint.interval", "4", "--checkpoint.keep_latest_k", "0"]
+
+
+def test_warmup_follows_schedule_and_resumes_exactly_with_ema(tmp_path):
+    run_trainer(tmp_path / "ref", 0, *WARMUP)
+    ref = {r["step"]: r for r in read_metrics(tmp_path / "ref")}
+    sched = BatchWarmup(4, 1, 4 * 64, 2048, 8)
+    assert [ref[s]["micro_batches"] for s in range(1, 9)] == [sched.micro_batches(s) for s in range(1, 9)] \
+        == [1, 1, 1, 2, 2, 3, 4, 4]  # consumed before: 0, 256, 512, 768, 1280, 1792, 2560 tokens
+    assert [ref[s]["tokens"] for s in range(1, 9)] == [sched.tokens_through(s) for s in range(1, 9)]
+    (tmp_path / "res" / "checkpoint").mkdir(parents=True)
+    shutil.copytree(tmp_path / "ref" / "checkpoint" / "step-4", tmp_path / "res" / "checkpoint" / "step-4")
+    run_trainer(tmp_path / "res", 0, *WARMUP)
+    res = {r["step"]: r for r in read_metrics(tmp_path / "res")}
+    assert sorted(res) == [5, 6, 7, 8]
+    for s in range(5, 9):
+        for key in ("loss", "lr", "micro_batches", "tokens"):
+            assert res[s][key] == pytest.approx(ref[s][key], abs=1e-6), (s, key)
+    assert res[8]["val_loss"] == pytest.approx(ref[8]["val_loss"], abs=1e-6)  # the EMA was restored exactly

@@ -1,0 +1,160 @@
+"""Evaluation (bits per byte, sliding windows, the eval CLI), generation with a KV cache, and Hugging Face
+export / import (logits against transformers, ``load_hf`` round trip, ``checkpoint.initial_load_path``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from trainer_utils import REPO, TEST_CACHE, read_metrics, run_trainer
+
+from torchtitan_ext.data.shards import read_shard
+from torchtitan_ext.eval.load import load_trained
+from torchtitan_ext.eval.sliding import sliding_sums, windows
+from torchtitan_ext.export import ExportError, export, load_hf
+from torchtitan_ext.generate import KVCache, forward_cached, generate
+from torchtitan_ext.models.args import ModelArgs
+from torchtitan_ext.models.decoder import Decoder
+from torchtitan_ext.models.flavors import get_flavor
+
+# A Llama-shaped tiny model (the 1b flavor's features), trained 6 steps by 2 FSDP processes.
+LLAMA = ["--model.flavor", "1b", "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4",
+         "--model.n_kv_heads", "2", "--model.ffn_hidden", "128", "--model.vocab_size", "320",
+         "--training.steps", "6", "--eval.steps", "50", "--checkpoint.enabled", "true", "--checkpoint.interval", "6"]
+
+
+def _cli(module: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env={"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PATH": ""})
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("llama")
+    run_trainer(dump, 2, *LLAMA)
+    return dump
+
+
+def _random_model(seed: int = 0, **kw) -> Decoder:
+    args = ModelArgs(**{**dict(vocab_size=97, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=96,
+                               max_seq_len=48, rope_theta=500.0), **kw})
+    torch.manual_seed(seed)
+    model = Decoder(args)
+    model.init_buffers(torch.device("cpu"))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2) if p.ndim > 1 else p.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+def test_val_bpb_on_bytes_and_eval_cli(trained, tmp_path):
+    final = [r for r in map(json.loads, (trained / "metrics.jsonl").read_text().splitlines()) if "loss" not in r][-1]
+    # The validation windows (2 ranks x 50 steps x 4 sequences of 64) score these targets; bytes exclude EOT.
+    val = np.asarray(read_shard(next(TEST_CACHE.glob("stdlib_*_byte/val.bin"))))
+    targets = val[1:2 * 50 * 4 * 64 + 1]
+    n_eot = int((targets == 256).sum())
+    assert n_eot > 0
+    expected = final["val_loss"] / math.log(2) * len(targets) / (len(targets) - n_eot)
+    assert final["val_bpb"] == pytest.approx(expected, rel=1e-9)
+    # The eval CLI on one process, non-overlapping windows over the same tokens: the trainer's numbers.
+    common = ["--config", str(trained / "config.toml"), "--eval.steps", "100"]  # 100 x 4 x 64: what 2 ranks saw
+    out = _cli("torchtitan_ext.eval", *common)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    assert res["checkpoint"].endswith("step-6") and res["scored_tokens"] == len(targets)
+    assert res["val_loss"] == pytest.approx(final["val_loss"], rel=1e-5)
+    assert res["val_bpb"] == pytest.approx(final["val_bpb"], rel=1e-5)
+    slid = json.loads(_cli("torchtitan_ext.eval", *common, "--eval.stride", "16").stdout)
+    assert slid["scored_tokens"] == len(targets) and slid["val_loss"] != res["val_loss"]
+    bad = _cli("torchtitan_ext.eval", *common, "--checkpoint.load_step", "3")
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "load_step = 3" in bad.stderr
+
+
+def test_sliding_window_equals_token_by_token_reference():
+    model = _random_model().double()
+    tokens = torch.randint(0, 97, (70,))
+    seq_len, stride = 16, 5
+    spans = windows(len(tokens), seq_len, stride)
+    got = sliding_sums(model, tokens, seq_len, stride, batch_size=3, table=None)
+    ref, scored = 0.0, []
+    for start, first in spans:
+        for j in range(first, seq_len):
+            target = start + 1 + j
+            context = tokens[start:target]  # exactly what the window's causal attention sees
+            assert len(context) >= seq_len - stride or start == 0
+            logits = model(context[None])[0, -1]
+            ref += F.cross_entropy(logits[None], tokens[target][None]).item()
+            scored.append(target)
+    assert scored == list(range(1, len(tokens)))  # every target once, in order
+    assert got[1].item() == len(scored)
+    assert got[0].item() == pytest.approx(ref, rel=1e-10)
+
+
+def test_generation_kv_cache_equals_no_cache(trained):
+    model, tok, _, _ = load_trained(trained)
+    prompts = [list(tok.encode("def main(")), list(tok.encode("import os\n")), list(tok.encode("x"))]
+    cached = generate(model, prompts, 20)
+    assert cached == generate(model, prompts, 20, use_cache=False)
+    assert all(len(c) == 20 for c in cached)
+    # The cached forward's logits equal Decoder.forward's, prefill and per step (features of the debug flavor).
+    extra = {k: v for k, v in (("kv_share", "interleaved"), ("residual_scalars", True))
+             if k in {f.name for f in dataclasses.fields(ModelArgs)}}  # other issues' features, when present
+    rnd = _random_model(qk_norm=True, rope_fraction=0.5, nope_every=2, logit_softcap=20.0, n_layers=4, **extra)
+    seq = torch.randint(0, 97, (2, 24))
+    cache = KVCache(rnd, 2, 24, torch.zeros(2, dtype=torch.long))
+    parts = [forward_cached(rnd, seq[:, :10], cache)] + [forward_cached(rnd, seq[:, i:i + 1], cache)
+                                                         for i in range(10, 24)]
+    torch.testing.assert_close(torch.cat(parts, dim=1), rnd(seq), rtol=1e-5, atol=1e-5)
+    sampled = generate(model, prompts, 10, temperature=0.8, top_p=0.9, seed=1)
+    assert sampled == generate(model, prompts, 10, temperature=0.8, top_p=0.9, seed=1, use_cache=False)
+    out = _cli("torchtitan_ext.generate", "--checkpoint", str(trained), "--prompt", "def f(", "--prompt", "a",
+               "--max-new-tokens", "8", "--json")
+    assert out.returncode == 0, out.stderr
+    assert len(json.loads(out.stdout)["completions"]) == 2
+    bad = _cli("torchtitan_ext.generate", "--checkpoint", str(trained / "nothing"), "--prompt", "a")
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("features, arch", [({}, "LlamaForCausalLM"),
+                                            ({"qk_norm": True, "tie_embeddings": True}, "Qwen3ForCausalLM"),
+                                            ({"nope_every": 2}, "SmolLM3ForCausalLM")])
+def test_export_logits_equal_transformers(tmp_path, features, arch):
+    transformers = pytest.importorskip("transformers", reason="pip install -e .[dev] installs transformers")
+    model = _random_model(**features)
+    export(model, tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert type(hf).__name__ == arch
+    x = torch.randint(0, 97, (2, 48))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, model(x), rtol=1e-5, atol=1e-5)
+        back = load_hf(tmp_path)
+        assert torch.equal(back(x), model(x))
+
+
+def test_export_refusals_and_initial_load_path(trained, tmp_path):
+    for flavor, word in [("debug", "partial RoPE"), ("mode_debug", "MoDE")]:
+        args = dataclasses.replace(get_flavor(flavor), vocab_size=64, dim=64, n_heads=4, n_layers=2)
+        with pytest.raises(ExportError, match=word):
+            export(Decoder(args), tmp_path / flavor)
+        assert not (tmp_path / flavor).exists()
+    out = _cli("torchtitan_ext.export", "--checkpoint", str(trained), "--output", str(tmp_path / "hf"))
+    assert out.returncode == 0, out.stderr
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    # A new job starting from the exported weights with lr 0 validates exactly like the source job.
+    start = tmp_path / "start"
+    run_trainer(start, 2, *LLAMA, "--checkpoint.enabled", "false", "--optimizer.lr", "0", "--training.steps", "1",
+                "--checkpoint.initial_load_path", str(tmp_path / "hf"))
+    src = [r for r in map(json.loads, (trained / "metrics.jsonl").read_text().splitlines()) if "loss" not in r][-1]
+    new = [r for r in map(json.loads, (start / "metrics.jsonl").read_text().splitlines()) if "loss" not in r][-1]
+    assert new["val_loss"] == pytest.approx(src["val_loss"], rel=1e-5)
+    bad = run_trainer(tmp_path / "bad", 0, *LLAMA, "--model.n_layers", "3", "--checkpoint.enabled", "false",
+                      "--checkpoint.initial_load_path", str(tmp_path / "hf"), check=False)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: checkpoint.initial")
+    assert read_metrics(start)

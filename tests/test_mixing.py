@@ -1,0 +1,177 @@
+"""Domain mixing (weighted, deterministic, disjoint DP slices, adaptive Zen update, exact resume) and
+best-fit-decreasing packing."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from trainer_utils import REPO, read_metrics, run_trainer
+
+from torchtitan_ext.config.loader import ConfigError
+from torchtitan_ext.data.mixing import Domain, MixingLoader, adaptive_update, parse_domains, project, rows_to_batch
+from torchtitan_ext.data.packing import PAD, bfd_bins, pack
+from torchtitan_ext.data.shards import write_shard
+
+
+def _write_domains(folder: Path, n_domains: int = 2) -> list[dict]:
+    """Byte-tokenized shards of distinct text per domain (stdlib sources, their docstrings-less halves)."""
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    tables = []
+    for d in range(n_domains):
+        text = "".join(f.read_text(errors="replace") for f in files[d * 12:(d + 1) * 12])
+        tokens = np.frombuffer(text.encode(), dtype=np.uint8).astype(np.int32)
+        cut = len(tokens) // 8
+        write_shard(folder / f"d{d}_val.bin", tokens[:cut])
+        write_shard(folder / f"d{d}_train.bin", tokens[cut:])
+        tables.append({"name": f"d{d}", "train": str(folder / f"d{d}_train.bin"),
+                       "val": str(folder / f"d{d}_val.bin"), "weight": float(d + 1)})
+    return tables
+
+
+def _loader(tables, dp_rank=0, dp_world=1, local=4, **kw) -> MixingLoader:
+    return MixingLoader(parse_domains(tables), 16, local, dp_rank, dp_world, seed=3, shuffle=True, **kw)
+
+
+def test_fractions_match_weights_and_slices_are_disjoint(tmp_path):
+    tables = _write_domains(tmp_path, 3)
+    tables[0]["weight"], tables[1]["weight"], tables[2]["weight"] = 5.0, 3.0, 2.0
+    one = _loader(tables, local=8)
+    counts = np.zeros(3)
+    for _ in range(500):
+        counts += np.bincount(one.next_batch().domains.numpy(), minlength=3)
+    frac = counts / counts.sum()
+    sigma = np.sqrt(np.array([0.5, 0.3, 0.2]) * (1 - np.array([0.5, 0.3, 0.2])) / counts.sum())
+    assert np.all(np.abs(frac - [0.5, 0.3, 0.2]) < 4 * sigma), frac
+    # Two data-parallel ranks with half the local batch read the halves of the one-process batches.
+    ref = _loader(tables, local=8)
+    ranks = [_loader(tables, r, 2, local=4) for r in range(2)]
+    for _ in range(20):
+        whole = ref.next_batch()
+        halves = [r.next_batch() for r in ranks]
+        assert torch.equal(torch.cat([h.inputs for h in halves]), whole.inputs)
+        assert torch.equal(torch.cat([h.domains for h in halves]), whole.domains)
+    # Each domain's windows are drawn without repetition within an epoch (counts advance globally).
+    d0 = _loader(tables[:1], local=8)
+    seen = [tuple(row.tolist()) for _ in range(10) for row in d0.next_batch().inputs]
+    assert len(set(seen)) == len(seen)
+
+
+def test_adaptive_update_formula_floors_caps_and_bad_tables():
+    w, losses = np.array([0.5, 0.3, 0.2]), np.array([3.0, 2.0, 2.5])
+    std = math.sqrt(((3 - 2.5) ** 2 + (2 - 2.5) ** 2 + 0) / 3)
+    raw = [0.5 * math.exp(0.1 * 0.5 / std), 0.3 * math.exp(-0.1 * 0.5 / std), 0.2]
+    assert np.allclose(adaptive_update(w, losses, 0.1), np.array(raw) / sum(raw), rtol=1e-12)
+    assert np.allclose(adaptive_update(w, np.array([2.0, 2.0, 2.0]), 0.1), w)  # std 0: unchanged
+    bounded = adaptive_update(np.array([0.7, 0.2, 0.1]), np.array([9.0, 1.0, 1.0]), 1.0, floor=0.15, cap=0.6)
+    assert np.allclose(bounded, [0.6, 0.25, 0.15]) and math.isclose(bounded.sum(), 1.0)
+    assert np.allclose(project(np.array([2.0, 1.0, 1.0]), 0.0, 1.0), [0.5, 0.25, 0.25])
+    for bad, msg in [([{"name": "a"}], "missing 'train'"), ([{"name": "a", "train": "x", "weight": -1}], "> 0"),
+                     ([{"name": "a", "train": "x", "wieght": 1}], "unknown key 'wieght'"),
+                     ([{"name": "a", "train": 3}], "expected string"), (["a"], "expected a table"),
+                     ([{"name": "a", "train": "x"}, {"name": "a", "train": "y"}], "used twice")]:
+        with pytest.raises(ConfigError, match=msg):
+            parse_domains(bad)
+    assert parse_domains([{"name": "a", "train": "x"}]) == [Domain("a", "x", "", 1.0)]
+
+
+def _domains_toml(path: Path, tables: list[dict]) -> Path:
+    lines = []
+    for t in tables:
+        lines.append("[[data.domains]]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in t.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+MIX = ["--data.mixing", "adaptive", "--data.mixing_rate", "0.5", "--eval.interval", "2", "--eval.steps", "2",
+       "--training.steps", "6", "--model.n_layers", "2", "--model.dim", "64", "--model.n_heads", "4"]
+
+
+def test_adaptive_mixing_in_training_logs_resumes_exactly_and_matches_one_process(tmp_path):
+    cfg = _domains_toml(tmp_path / "domains.toml", _write_domains(tmp_path))
+    full = tmp_path / "full"
+    ckpt = ["--checkpoint.enabled", "true", "--checkpoint.interval", "4"]
+    run_trainer(full, 2, "--config", str(cfg), *MIX, *ckpt)
+    evals = [r for r in map(json.loads, (full / "metrics.jsonl").read_text().splitlines())
+             if "data/weight/d0" in r and "loss" in r]
+    assert [r["step"] for r in evals] == [2, 4, 6]
+    # Every evaluation applies w <- w exp(eta (L_d - mean L) / std L), normalised, from the logged losses.
+    w = np.array([1.0, 2.0]) / 3.0
+    for r in evals:
+        w = adaptive_update(w, np.array([r["val/loss/d0"], r["val/loss/d1"]]), 0.5)
+        assert np.allclose([r["data/weight/d0"], r["data/weight/d1"]], w, rtol=1e-9, atol=1e-12)
+        assert math.isclose(r["val_bpb"], r["val_loss"] / math.log(2), rel_tol=1e-6)  # bytes, no EOT here
+    assert abs(w[0] - 1 / 3) > 0.05  # the weights really moved
+    # Resume from step 4 (weights already changed twice, saved in the checkpoint) continues exactly.
+    part = tmp_path / "part"
+    (part / "checkpoint").mkdir(parents=True)
+    shutil.copytree(full / "checkpoint" / "step-4", part / "checkpoint" / "step-4")
+    run_trainer(part, 2, "--config", str(cfg), *MIX, *ckpt)
+    ref = {r["step"]: r for r in read_metrics(full)}
+    resumed = {r["step"]: r for r in read_metrics(part)}
+    for step in (5, 6):
+        assert resumed[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-6)
+    assert resumed[6]["data/weight/d0"] == pytest.approx(ref[6]["data/weight/d0"], rel=1e-9)
+    # One process with the whole global batch sees the same data: the same losses.
+    one = tmp_path / "one"
+    run_trainer(one, 0, "--config", str(cfg), *MIX, "--training.local_batch_size", "8")
+    for step, r in {r["step"]: r for r in read_metrics(one)}.items():
+        assert r["loss"] == pytest.approx(ref[step]["loss"], rel=2e-4)
+
+
+def test_bad_domain_table_is_one_line(tmp_path):
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text('[[data.domains]]\nname = "a"\ntrain = "/nonexistent/*.bin"\nweight = "heavy"\n')
+    proc = subprocess.run([sys.executable, "-m", "torchtitan_ext.train", "--config", str(cfg),
+                           "--data.tokenizer", "byte"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["error: data.domains[0].weight: expected number, got 'heavy'"]
+
+
+def test_bfd_packs_to_the_optimum_on_hand_cases():
+    # Optimal bin counts worked out by hand (capacity 10).
+    for lengths, optimum in [([6, 4, 5, 5, 3, 7], 3), ([9, 1, 8, 2, 7, 3], 3), ([5, 5, 5, 5, 5], 3),
+                             ([10, 10, 1], 3), ([4, 4, 4, 3, 3, 2], 2)]:
+        bins = bfd_bins(lengths, 10)
+        assert len(bins) == optimum, (lengths, bins)
+        assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+        assert all(sum(lengths[i] for i in b) <= 10 for b in bins)
+    eot = 99
+    stream = np.array([1, 2, 3, eot, 4, 5, eot, 6, 7, 8, 9, 10, 11, 12, 13, eot, 14, eot])  # 4, 3, 9, 2
+    windows, padding = pack(stream, eot, 6)
+    # the 9-token document is split into 6 + 3; pieces 6 | 4+2 | 3+3 fill three windows exactly
+    assert windows.shape == (3, 6) and padding == 0.0
+    assert sorted(windows[windows != PAD].tolist()) == sorted(stream.tolist())
+    windows, padding = pack(np.array([1, eot, 2, 3, 4, eot]), eot, 4)
+    assert windows.tolist() == [[2, 3, 4, eot], [1, eot, PAD, PAD]] and padding == 0.25
+
+
+def test_bfd_packing_in_training(tmp_path):
+    proc = run_trainer(tmp_path, 0, "--data.packing", "bfd", "--training.steps", "3", "--model.n_layers", "2",
+                       "--model.dim", "64")
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("data.packing"))
+    padding = float(line.rsplit(" ", 1)[1].rstrip("%"))
+    assert 0 < padding < 50
+    assert all(math.isfinite(v) for v in read_metrics(tmp_path)[-1:][0].values() if isinstance(v, float))
+    # Padding is never a label, and every window starts with a document (its first token follows an EOT).
+    from trainer_utils import TEST_CACHE
+
+    from torchtitan_ext.data.packing import PackedDataLoader
+
+    shard = next(TEST_CACHE.glob("stdlib_*_byte/val.bin"))
+    loader = PackedDataLoader([shard], 64, 8, 0, 1, seed=0, shuffle=True, eot_id=256)
+    padded = [row for row in loader.windows if (row == PAD).any()]
+    assert padded and all((row[np.argmax(row == PAD):] == PAD).all() for row in padded)  # padding only at the tail
+    assert all(row[row != PAD][-1] == 256 for row in padded)  # before it, whole documents (ending with EOT)
+    batch = rows_to_batch(padded[:4], [0] * 4, 257, str)
+    pad = torch.from_numpy(np.stack(padded[:4]) == PAD)
+    assert torch.equal(batch.labels == -100, pad[:, 1:]) and (batch.inputs[pad[:, :-1]] == 0).all()

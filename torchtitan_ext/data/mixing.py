@@ -1,0 +1,214 @@
+"""Multi-domain data mixing: every global batch draws its sequences from the domains by weight.
+
+Global micro-batch b assigns each of its G = local_batch_size x dp sequences a domain, drawn from
+``numpy.random.default_rng([seed, b])`` with the current weights, so every rank computes the same
+assignment; data-parallel rank r takes slots ``[r L, (r + 1) L)``. The k-th sequence ever drawn from a
+domain is that domain's k-th window in its own seeded per-epoch order, and each domain's count advances by
+its number of slots in the global batch, so the ranks' slices are disjoint and together consume exactly
+what one process would. The state (batch index, per-domain counts, weights) is saved in the checkpoint, so
+a resume continues exactly, also after adaptive updates changed the weights.
+
+Adaptive mixing (Zen) applies at every evaluation
+``w_d <- w_d * exp(eta * (L_d - mean(L)) / std(L))`` with ``L_d`` the per-domain validation loss and the
+population standard deviation, then renormalises and clips to ``[floor, cap]`` (projected back to a sum of
+one).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from torchtitan_ext.config.loader import ConfigError
+from torchtitan_ext.data.loader import Batch, TokenDataLoader
+from torchtitan_ext.data.shards import ShardError, list_shards
+
+_KEYS = {"name": str, "train": str, "val": str, "weight": (int, float)}
+
+
+@dataclass(frozen=True)
+class Domain:
+    name: str
+    train: str  # shard glob or folder
+    val: str  # shard glob or folder; "" for none
+    weight: float
+
+
+def parse_domains(tables: list) -> list[Domain]:
+    """``[[data.domains]]`` tables -> Domains; ConfigError (one line) naming the table and key."""
+    out: list[Domain] = []
+    for i, t in enumerate(tables):
+        where = f"data.domains[{i}]"
+        if not isinstance(t, dict):
+            raise ConfigError(f"{where}: expected a table with name, train, val, weight; got {t!r}")
+        for k, v in t.items():
+            if k not in _KEYS:
+                raise ConfigError(f"{where}: unknown key {k!r}; valid: {', '.join(_KEYS)}")
+            if not isinstance(v, _KEYS[k]) or isinstance(v, bool):
+                raise ConfigError(f"{where}.{k}: expected {'number' if k == 'weight' else 'string'}, got {v!r}")
+        for k in ("name", "train"):
+            if not t.get(k):
+                raise ConfigError(f"{where}: missing {k!r}")
+        w = float(t.get("weight", 1.0))
+        if not math.isfinite(w) or w <= 0:
+            raise ConfigError(f"{where}.weight: expected a finite number > 0, got {t.get('weight')!r}")
+        if any(d.name == t["name"] for d in out):
+            raise ConfigError(f"{where}.name: {t['name']!r} is used twice")
+        out.append(Domain(t["name"], t["train"], t.get("val", ""), w))
+    return out
+
+
+def project(w: np.ndarray, floor: float, cap: float) -> np.ndarray:
+    """``clip(c w, floor, cap)`` with the one factor c > 0 that makes the weights sum to one (found by
+    bisection: the sum grows with c), so the weights keep their order and, between the bounds, ratios."""
+    w = np.asarray(w, dtype=np.float64) / np.sum(w)
+    if floor <= 0 and cap >= 1:
+        return w
+    lo, hi = 0.0, 1.0
+    while np.clip(hi * w, floor, cap).sum() < 1.0 and hi < 1e300:
+        hi *= 2.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if np.clip(mid * w, floor, cap).sum() < 1.0 else (lo, mid)
+    out = np.clip(hi * w, floor, cap)
+    return out / out.sum()
+
+
+def adaptive_update(weights: np.ndarray, losses: np.ndarray, eta: float, floor: float = 0.0,
+                    cap: float = 1.0) -> np.ndarray:
+    """The Zen update: up-weight domains whose validation loss is above the mean, in units of the
+    population standard deviation. Equal losses leave the weights unchanged."""
+    losses = np.asarray(losses, dtype=np.float64)
+    std = losses.std()
+    if not std > 0:
+        return project(weights, floor, cap)
+    return project(np.asarray(weights, dtype=np.float64) * np.exp(eta * (losses - losses.mean()) / std),
+                   floor, cap)
+
+
+def rows_to_batch(rows: list[np.ndarray], domains: list[int], vocab_limit: int, where) -> Batch:
+    """Windows of seq_len + 1 tokens -> a Batch; packing padding (-1) becomes input 0 and label -100 (ignored
+    by the cross-entropy). ``where(domain)`` names the source of an out-of-vocabulary id."""
+    data = torch.from_numpy(np.stack(rows).astype(np.int64))
+    if vocab_limit and int(data.max()) >= vocab_limit:
+        bad = domains[int(data.max(dim=1).values.argmax())]
+        raise ShardError(f"{where(bad)}: token id {int(data.max())} >= model vocabulary {vocab_limit}; set "
+                         "model.vocab_size")
+    inputs, labels = data[:, :-1].clamp(min=0), data[:, 1:]
+    return Batch(inputs, labels.masked_fill(labels < 0, -100), torch.tensor(domains))
+
+
+class MixingLoader:
+    """The training loader over several domains (same interface as TokenDataLoader)."""
+
+    def __init__(self, domains: list[Domain], seq_len: int, local_batch_size: int, dp_rank: int,
+                 dp_world_size: int, seed: int, shuffle: bool, mode: str = "static", rate: float = 0.01,
+                 floor: float = 0.0, cap: float = 1.0, source=TokenDataLoader):
+        if floor * len(domains) > 1 + 1e-9 or cap * len(domains) < 1 - 1e-9:
+            raise ConfigError(f"data.mixing_floor = {floor} / data.mixing_cap = {cap}: no weights of "
+                              f"{len(domains)} domains summing to one fit")
+        self.domains, self.names = domains, [d.name for d in domains]
+        self.local_batch_size, self.dp_rank, self.dp_world_size = local_batch_size, dp_rank, dp_world_size
+        self.seed, self.mode, self.rate, self.floor, self.cap = seed, mode, rate, floor, cap
+        self.sources = [source(list_shards(d.train, f"data.domains[{i}].train ({d.name})"), seq_len, 1, 0, 1,
+                               seed * 1_000_003 + zlib.crc32(d.name.encode()), shuffle)
+                        for i, d in enumerate(domains)]
+        self.weights = project(np.array([d.weight for d in domains]), floor, cap)
+        self.consumed = np.zeros(len(domains), dtype=np.int64)
+        self.position = 0  # global micro-batches drawn
+
+    @property
+    def vocab_limit(self) -> int:
+        return self.sources[0].vocab_limit
+
+    @vocab_limit.setter
+    def vocab_limit(self, value: int) -> None:
+        for s in self.sources:
+            s.vocab_limit = value
+
+    def assignment(self, batch_index: int) -> np.ndarray:
+        """The domain of each slot of global micro-batch ``batch_index``."""
+        g = self.local_batch_size * self.dp_world_size
+        return np.random.default_rng([self.seed, batch_index]).choice(len(self.domains), size=g, p=self.weights)
+
+    def next_batch(self) -> Batch:
+        assign = self.assignment(self.position)
+        # k-th slot of a domain in this batch -> that domain's (consumed + k)-th window
+        rank_in_domain = np.zeros(len(assign), dtype=np.int64)
+        seen = np.zeros(len(self.domains), dtype=np.int64)
+        for j, d in enumerate(assign):
+            rank_in_domain[j] = seen[d]
+            seen[d] += 1
+        lo = self.dp_rank * self.local_batch_size
+        rows, doms = [], []
+        for j in range(lo, lo + self.local_batch_size):
+            d = int(assign[j])
+            window, _ = self.sources[d]._window(int(self.consumed[d] + rank_in_domain[j]))
+            rows.append(window)
+            doms.append(d)
+        self.consumed += seen
+        self.position += 1
+        return rows_to_batch(rows, doms, self.vocab_limit, lambda d: f"data.domains {self.names[d]!r}")
+
+    def reset(self) -> None:
+        self.position = 0
+        self.consumed[:] = 0
+
+    def update(self, val_losses: dict[str, float]) -> None:
+        """Apply the adaptive update from per-domain validation losses (no-op for static mixing)."""
+        if self.mode != "adaptive":
+            return
+        missing = [n for n in self.names if n not in val_losses]
+        if missing:
+            raise ConfigError(f"data.mixing = 'adaptive' needs a validation split for every domain; "
+                              f"{missing[0]!r} has none (data.domains val)")
+        losses = np.array([val_losses[n] for n in self.names])
+        self.weights = adaptive_update(self.weights, losses, self.rate, self.floor, self.cap)
+
+    def weight_metrics(self) -> dict[str, float]:
+        return {f"data/weight/{n}": float(w) for n, w in zip(self.names, self.weights, strict=True)}
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, "consumed": torch.from_numpy(self.consumed.copy()),
+                "weights": torch.from_numpy(self.weights.copy())}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = int(state["position"])
+        self.consumed = state["consumed"].cpu().numpy().astype(np.int64).copy()
+        self.weights = state["weights"].cpu().numpy().astype(np.float64).copy()
+
+
+class DomainValidation(dict):
+    """Validation loaders by domain name; ``vocab_limit`` set on all of them (as on one loader)."""
+
+    @property
+    def vocab_limit(self) -> int:
+        return next(iter(self.values())).vocab_limit
+
+    @vocab_limit.setter
+    def vocab_limit(self, value: int) -> None:
+        for loader in self.values():
+            loader.vocab_limit = value
+
+
+def build_mixing(domains: list, *, mixing: str, rate: float, floor: float, cap: float, seq_len: int,
+                 local_batch_size: int, dp_rank: int, dp_world_size: int, seed: int,
+                 shuffle: bool, source=TokenDataLoader) -> tuple[MixingLoader, DomainValidation | None]:
+    """(training loader, per-domain validation loaders or None) for ``[[data.domains]]``."""
+    parsed = parse_domains(domains)
+    loader = MixingLoader(parsed, seq_len, local_batch_size, dp_rank, dp_world_size, seed, shuffle, mixing,
+                          rate, floor, cap, source)
+    val = DomainValidation()
+    for i, d in enumerate(parsed):
+        if d.val:
+            val[d.name] = TokenDataLoader(list_shards(d.val, f"data.domains[{i}].val ({d.name})"), seq_len,
+                                          local_batch_size, dp_rank, dp_world_size, seed, shuffle=False)
+    if mixing == "adaptive" and len(val) != len(parsed):
+        missing = next(d.name for d in parsed if d.name not in val)
+        raise ConfigError(f"data.mixing = 'adaptive' needs a validation split (val) for every domain; "
+                          f"{missing!r} has none")
+    return loader, (val or None)

@@ -1,0 +1,257 @@
+"""Conversation trees: JSONL -> token shards with a node-boundary sidecar -> windows of whole trees.
+
+Input, one tree per JSONL line: ``{"nodes": [{"id": "a", "parent": null, "text": "..."}, ...]}`` (ids are
+any JSON strings or numbers, unique within the tree; exactly the roots have no parent). Each node's text is
+tokenized and followed by the end-of-text token; nodes are written in depth-first pre-order (children in
+input order), so every subtree is one contiguous run of tokens. Beside each ``*.bin`` shard,
+``*.trees.npz`` holds per tree its first token and its nodes' parents (tree-local, -1 for a root) and
+token counts.
+
+``TreeDataLoader`` packs whole trees into windows of ``seq_len`` tokens (trees longer than a window are
+skipped and counted), and yields with every window its visibility (``ops.visibility.tree_visibility``:
+a token sees its own node's earlier tokens and all of its ancestors, never a sibling's subtree), RoPE
+positions along the token's root-to-node path, and labels only where the next token continues the path
+(a sibling's first token is not predicted from the end of the previous sibling's subtree).
+
+    python -m torchtitan_ext.data.trees --input 'chats/*.jsonl' --output-dir data/chats --tokenizer byte
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from torchtitan_ext.data.shards import ShardError, read_shard, write_shard
+from torchtitan_ext.ops.visibility import tree_visibility
+
+
+class TreeError(ValueError):
+    """A bad tree record; the message names the file and line."""
+
+
+def ordered_tree(record, where: str) -> tuple[list[str], list[int]]:
+    """(texts, parents) of one tree record in depth-first pre-order."""
+    nodes = record.get("nodes") if isinstance(record, dict) else None
+    if not isinstance(nodes, list) or not nodes:
+        raise TreeError(f"{where}: expected {{\"nodes\": [{{\"id\", \"parent\", \"text\"}}, ...]}}")
+    ids = {}
+    for i, node in enumerate(nodes):
+        if not isinstance(node, dict) or not isinstance(node.get("text"), str) or "id" not in node:
+            raise TreeError(f"{where}: node {i} needs an \"id\" and a \"text\" string")
+        key = json.dumps(node["id"])
+        if key in ids:
+            raise TreeError(f"{where}: node id {key} appears twice")
+        ids[key] = i
+    children: dict[int, list[int]] = {i: [] for i in range(len(nodes))}
+    roots = []
+    for i, node in enumerate(nodes):
+        parent = node.get("parent")
+        if parent is None:
+            roots.append(i)
+        elif json.dumps(parent) not in ids:
+            raise TreeError(f"{where}: node {json.dumps(node['id'])} has unknown parent {json.dumps(parent)}")
+        else:
+            children[ids[json.dumps(parent)]].append(i)
+    order, parents, new_index = [], [], {}
+    stack = [(r, -1) for r in reversed(roots)]
+    while stack:
+        i, parent = stack.pop()
+        new_index[i] = len(order)
+        order.append(i)
+        parents.append(parent)
+        stack.extend((c, new_index[i]) for c in reversed(children[i]))
+    if len(order) != len(nodes):
+        raise TreeError(f"{where}: the parent links form a cycle (nodes not reachable from a root)")
+    return [nodes[i]["text"] for i in order], parents
+
+
+def prepare_trees(files: list[Path], out: Path, tokenizer, shard_tokens: int = 1 << 26) -> dict[str, int]:
+    """Write ``train_NNNNNN.bin`` shards of whole trees with their ``.trees.npz`` sidecars."""
+    out.mkdir(parents=True, exist_ok=True)
+    eot = tokenizer.eot_id
+    counts = {"trees": 0, "nodes": 0, "tokens": 0, "shards": 0}
+    buf: list[np.ndarray] = []
+    firsts, parents, lengths, node_counts = [], [], [], []
+
+    def flush() -> None:
+        if not buf:
+            return
+        name = out / f"train_{counts['shards']:06d}"
+        write_shard(name.with_suffix(".bin"), np.concatenate(buf))
+        np.savez(name.with_suffix(".trees.npz"), first=np.array(firsts, dtype=np.int64),
+                 nodes=np.array(node_counts, dtype=np.int64), parents=np.array(parents, dtype=np.int64),
+                 lengths=np.array(lengths, dtype=np.int64))
+        counts["shards"] += 1
+        buf.clear(), firsts.clear(), parents.clear(), lengths.clear(), node_counts.clear()
+
+    at = 0
+    for path in files:
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                raise TreeError(f"{path}:{n}: not a JSON object") from None
+            texts, tree_parents = ordered_tree(record, f"{path}:{n}")
+            tokens = [np.asarray(list(tokenizer.encode(t)) + [eot], dtype=np.int32) for t in texts]
+            if at and at + sum(map(len, tokens)) > shard_tokens:
+                flush()
+                at = 0
+            firsts.append(at)
+            node_counts.append(len(tokens))
+            parents.extend(tree_parents)
+            lengths.extend(len(t) for t in tokens)
+            buf.extend(tokens)
+            at += sum(map(len, tokens))
+            counts["trees"] += 1
+            counts["nodes"] += len(tokens)
+            counts["tokens"] += sum(map(len, tokens))
+    flush()
+    return counts
+
+
+class TreeDataLoader:
+    """Deterministic, stateful loader of windows packed with whole trees (state: the global window
+    position, as ``TokenDataLoader``, so a checkpoint resumes exactly under any data-parallel size)."""
+
+    def __init__(self, shards: list[Path], seq_len: int, local_batch_size: int, dp_rank: int,
+                 dp_world_size: int, seed: int, shuffle: bool, eot_id: int = 0, position_reset: bool = True):
+        self.seq_len, self.local_batch_size, self.seed, self.shuffle = seq_len, local_batch_size, seed, shuffle
+        self.dp_rank, self.dp_world_size, self.eot_id = dp_rank, dp_world_size, eot_id
+        self.position_reset = position_reset
+        self.trees: list[tuple[np.ndarray, list[int], list[int]]] = []  # (tokens, parents, lengths)
+        self.skipped = 0
+        for path in shards:
+            side = path.with_suffix(".trees.npz")
+            if not side.exists():
+                raise ShardError(f"{path}: no tree sidecar {side.name} (prepare it with torchtitan_ext.data.trees)")
+            tokens = read_shard(path)
+            try:
+                with np.load(side) as f:
+                    meta = {k: f[k] for k in ("first", "nodes", "parents", "lengths")}
+            except (OSError, ValueError, KeyError) as e:
+                raise ShardError(f"{side}: not a tree sidecar ({type(e).__name__})") from None
+            node_at = np.concatenate([[0], np.cumsum(meta["nodes"])]).astype(np.int64)
+            for t, first in enumerate(meta["first"].tolist()):
+                lengths = meta["lengths"][node_at[t]:node_at[t + 1]].tolist()
+                parents = meta["parents"][node_at[t]:node_at[t + 1]].tolist()
+                if len(parents) != len(lengths) or not lengths or first < 0 or first + sum(lengths) > len(tokens) \
+                        or any(not -1 <= p < i for i, p in enumerate(parents)) or min(lengths) < 1:
+                    raise ShardError(f"{side}: tree {t} does not match {path.name} (corrupted sidecar)")
+                if sum(lengths) > seq_len:
+                    self.skipped += 1
+                    continue
+                self.trees.append((tokens[first:first + sum(lengths)], parents, lengths))
+        self.windows = self._pack()
+        self.n_windows = len(self.windows)
+        if self.n_windows < local_batch_size * dp_world_size:
+            raise ShardError(f"{shards[0].parent}: {self.n_windows} windows of whole trees, fewer than one global "
+                             f"batch ({local_batch_size * dp_world_size}); {self.skipped} trees exceed "
+                             f"training.seq_len = {seq_len}")
+        self.vocab_limit = 0
+        self.position = 0
+        self._perm: tuple[int, np.ndarray] | None = None
+
+    def _pack(self) -> list[list[int]]:
+        """Trees (in a seeded order) filled into windows one after another."""
+        order = np.random.default_rng([self.seed, 7]).permutation(len(self.trees)) if self.shuffle \
+            else np.arange(len(self.trees))
+        windows, current, used = [], [], 0
+        for i in order.tolist():
+            n = len(self.trees[i][0])
+            if used + n > self.seq_len:
+                windows.append(current)
+                current, used = [], 0
+            current.append(i)
+            used += n
+        if current:
+            windows.append(current)
+        return windows
+
+    def window(self, g: int) -> tuple[torch.Tensor, ...]:
+        """(inputs, labels, start, limit, positions) of global window ``g``, each (seq_len,)."""
+        epoch, i = divmod(g, self.n_windows)
+        if self.shuffle:
+            if self._perm is None or self._perm[0] != epoch:
+                self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.n_windows))
+            i = int(self._perm[1][i])
+        t = self.seq_len
+        inputs = torch.full((t,), self.eot_id, dtype=torch.long)
+        start, limit = torch.arange(t), torch.arange(1, t + 1)  # padding sees only itself
+        positions = torch.zeros(t, dtype=torch.long)
+        labels = torch.full((t,), -100, dtype=torch.long)
+        at = 0
+        for tree in self.windows[i]:
+            tokens, parents, lengths = self.trees[tree]
+            n = len(tokens)
+            inputs[at:at + n] = torch.from_numpy(tokens.astype(np.int64))
+            _, lim = tree_visibility(parents, lengths)
+            limit[at:at + n] = lim[0] + at
+            depth = []  # tokens before each node on its root path
+            for p in parents:
+                depth.append(0 if p < 0 else depth[p] + lengths[p])
+            positions[at:at + n] = torch.cat([torch.arange(d, d + ln) for d, ln in zip(depth, lengths, strict=True)])
+            nxt = torch.arange(at + 1, at + n)
+            follows = nxt < limit[at:at + n - 1]  # the next token continues this token's path
+            labels[at:at + n - 1] = torch.where(follows, inputs[at + 1:at + n], -100)
+            at += n
+        return inputs, labels, start, limit, positions
+
+    def next_batch(self):
+        from torchtitan_ext.data.loader import Batch
+
+        first = self.position + self.dp_rank * self.local_batch_size
+        rows = [self.window(first + j) for j in range(self.local_batch_size)]
+        self.position += self.local_batch_size * self.dp_world_size
+        inputs, labels, start, limit, positions = (torch.stack(x) for x in zip(*rows, strict=True))
+        if self.vocab_limit and int(inputs.max()) >= self.vocab_limit:
+            raise ShardError(f"token id {int(inputs.max())} >= model vocabulary {self.vocab_limit}; set "
+                             "model.vocab_size")
+        return Batch(inputs, labels, torch.zeros(len(rows), dtype=torch.long), visibility=(start, limit),
+                     positions=positions if self.position_reset else None)
+
+    def reset(self) -> None:
+        self.position = 0
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = int(state["position"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torchtitan_ext.data.corpus import builtin_tokenizer
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--input", nargs="+", required=True, help="JSONL files or globs, one tree per line")
+    ap.add_argument("--output-dir", required=True)
+    ap.add_argument("--tokenizer", default="byte", help="byte, builtin or a SentencePiece .model path")
+    ap.add_argument("--tokenizer-vocab-size", type=int, default=4096)
+    ap.add_argument("--cache-dir", default="~/.cache/torchtitan_ext")
+    ap.add_argument("--shard-tokens", type=int, default=1 << 26)
+    args = ap.parse_args(argv)
+    files = sorted({Path(f) for pattern in args.input for f in (glob.glob(pattern) or [pattern])})
+    try:
+        missing = [f for f in files if not f.is_file()]
+        if missing:
+            raise TreeError(f"{missing[0]}: no such file")
+        tok = builtin_tokenizer(args.tokenizer, args.tokenizer_vocab_size, Path(args.cache_dir).expanduser())
+        counts = prepare_trees(files, Path(args.output_dir), tok, args.shard_tokens)
+    except (TreeError, UnicodeDecodeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{counts['trees']:,} trees, {counts['nodes']:,} nodes, {counts['tokens']:,} tokens in "
+          f"{counts['shards']} shard(s) under {args.output_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

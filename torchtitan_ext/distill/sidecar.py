@@ -1,0 +1,139 @@
+"""Teacher sidecar files: a teacher's Gumbel top-k per token position, aligned with one token shard.
+
+``<shard name>.topk`` beside nothing else: a 256 x int32 header (magic 20241124, version 1, k, vocabulary,
+token count of the shard, teacher window length, windows complete, crc32 of the shard's tokens), then three
+(tokens, k) arrays: kept token ids (int32), their clean log-probabilities (float32), thresholds (float32).
+Row j holds the teacher's prediction of token j of the shard from the tokens before it in the same window of
+``window + 1`` tokens, the student's windows: window w covers tokens [w L, w L + L] and fills rows
+w L + 1 .. w L + L; row 0 and the tail past the last whole window are never read (ids -1). The header's
+windows-complete count makes the teacher pass resumable; a reader accepts only complete sidecars whose
+token count, window length and checksum match the shard, and checks every batch it reads.
+"""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from torchtitan_ext.data.shards import ShardError
+
+MAGIC, VERSION, HEADER_INTS = 20241124, 1, 256
+ROW_BYTES_PER_K = 4 + 4 + 4
+
+
+class SidecarError(ShardError):
+    """A missing, incomplete, corrupted or misaligned sidecar (one line, names the file; the trainer reports
+    it like a bad shard: ``error: ...``, exit 2)."""
+
+
+def sidecar_path(folder: str | Path, shard: Path) -> Path:
+    return Path(folder) / (shard.name + ".topk")
+
+
+def shard_checksum(tokens: np.ndarray) -> int:
+    return zlib.crc32(np.ascontiguousarray(tokens).tobytes()) & 0x7FFFFFFF
+
+
+class Sidecar:
+    """Memory-mapped arrays of one sidecar file; ``create`` makes a new (or reopens a partial) one."""
+
+    def __init__(self, path: Path, mode: str = "r"):
+        self.path = path
+        try:
+            header = np.fromfile(path, dtype=np.int32, count=HEADER_INTS)
+        except OSError as e:
+            raise SidecarError(f"{path}: cannot read sidecar ({e.strerror})") from None
+        if len(header) < HEADER_INTS or header[0] != MAGIC:
+            raise SidecarError(f"{path}: not a teacher sidecar (bad magic number)")
+        if header[1] != VERSION:
+            raise SidecarError(f"{path}: sidecar version {header[1]}, expected {VERSION}")
+        self.header = header
+        self.k, self.vocab, self.n_tokens, self.window = (int(x) for x in header[2:6])
+        self.windows_done, self.checksum = int(header[6]), int(header[7])
+        expect = HEADER_INTS * 4 + self.n_tokens * self.k * ROW_BYTES_PER_K
+        if self.k < 1 or self.n_tokens < 0 or path.stat().st_size != expect:
+            raise SidecarError(f"{path}: {path.stat().st_size} bytes, expected {expect} for k = {self.k} and "
+                               f"{self.n_tokens} tokens (truncated or corrupted)")
+        off, rows = HEADER_INTS * 4, (self.n_tokens, self.k)
+        self.tokens = np.memmap(path, np.int32, mode, off, rows)
+        self.log_probs = np.memmap(path, np.float32, mode, off + self.n_tokens * self.k * 4, rows)
+        self.thresholds = np.memmap(path, np.float32, mode, off + self.n_tokens * self.k * 8, rows)
+
+    @classmethod
+    def create(cls, path: Path, k: int, vocab: int, shard_tokens: np.ndarray, window: int) -> Sidecar:
+        """A new sidecar (ids -1), or the partial one already at ``path`` when its header matches."""
+        checksum = shard_checksum(shard_tokens)
+        if path.exists():
+            try:
+                old = cls(path, "r+")
+                if (old.k, old.vocab, old.n_tokens, old.window, old.checksum) == \
+                        (k, vocab, len(shard_tokens), window, checksum):
+                    return old
+            except SidecarError:
+                pass
+        header = np.zeros(HEADER_INTS, np.int32)
+        header[:8] = (MAGIC, VERSION, k, vocab, len(shard_tokens), window, 0, checksum)
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            header.tofile(f)
+            f.truncate(HEADER_INTS * 4 + len(shard_tokens) * k * ROW_BYTES_PER_K)
+        tmp.replace(path)
+        side = cls(path, "r+")
+        side.tokens[:] = -1
+        return side
+
+    def set_windows_done(self, n: int) -> None:
+        self.tokens.flush()
+        self.log_probs.flush()
+        self.thresholds.flush()
+        with open(self.path, "r+b") as f:
+            f.seek(6 * 4)
+            f.write(np.int32(n).tobytes())
+        self.windows_done = n
+
+    def n_windows(self) -> int:
+        return max(0, (self.n_tokens - 1) // self.window)
+
+
+class SidecarSet:
+    """The sidecars of a loader's shards, checked against them; reads the rows of a batch's label positions."""
+
+    def __init__(self, folder: str | Path, shards: list[Path], shard_tokens: list[np.ndarray], seq_len: int):
+        self.sidecars = []
+        for shard, tokens in zip(shards, shard_tokens, strict=True):
+            side = Sidecar(sidecar_path(folder, shard))
+            if side.n_tokens != len(tokens) or side.checksum != shard_checksum(tokens):
+                raise SidecarError(f"{side.path}: made for another shard ({side.n_tokens} tokens) than "
+                                   f"{shard} ({len(tokens)} tokens): sidecars must line up with the shards")
+            if side.window != seq_len:
+                raise SidecarError(f"{side.path}: teacher windows of {side.window} tokens, but training.seq_len "
+                                   f"= {seq_len}; rerun the teacher pass with the student's seq_len")
+            if side.windows_done != side.n_windows():
+                raise SidecarError(f"{side.path}: incomplete ({side.windows_done} of {side.n_windows()} "
+                                   f"windows); rerun the teacher pass to finish it")
+            self.sidecars.append(side)
+        self.k = self.sidecars[0].k if self.sidecars else 0
+        self.vocab = self.sidecars[0].vocab if self.sidecars else 0
+
+    def read(self, windows: list[tuple[int, int]], seq_len: int) -> tuple[torch.Tensor, ...]:
+        """(tokens int64, log-probs, thresholds), each (batch, seq_len, k), for windows given as
+        (shard, first token): rows first + 1 .. first + seq_len, the labels' positions."""
+        rows = [(self.sidecars[s], slice(a + 1, a + 1 + seq_len)) for s, a in windows]
+        tok = np.stack([side.tokens[r] for side, r in rows])
+        lp = np.stack([side.log_probs[r] for side, r in rows])
+        thr = np.stack([side.thresholds[r] for side, r in rows])
+        if tok.min() < 0 or tok.max() >= self.vocab or not np.isfinite(thr).all() or (lp > 1e-4).any() \
+                or not np.isfinite(lp).all():
+            bad = next(side.path for (side, r) in rows if side.tokens[r].min() < 0 or side.tokens[r].max() >=
+                       self.vocab or not np.isfinite(side.thresholds[r]).all() or
+                       not np.isfinite(side.log_probs[r]).all() or (side.log_probs[r] > 1e-4).any())
+            raise SidecarError(f"{bad}: corrupted rows (token ids outside [0, {self.vocab}), positive or "
+                               f"non-finite log-probabilities or thresholds)")
+        return torch.from_numpy(tok.astype(np.int64)), torch.from_numpy(lp), torch.from_numpy(thr)
+
+
+def bytes_per_token(k: int) -> int:
+    return k * ROW_BYTES_PER_K

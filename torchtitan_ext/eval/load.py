@@ -1,0 +1,62 @@
+"""Load a trained model on one process (CPU or one GPU) from a job's dump folder or checkpoint folder.
+
+The job's resolved ``config.toml`` gives the tokenizer and the model shape; DCP stores parameters by FQN
+with their global shapes, so a checkpoint saved under any layout loads into the plain Decoder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from torchtitan_ext.checkpoint.manager import complete_steps
+from torchtitan_ext.config.job_config import JobConfig
+from torchtitan_ext.config.loader import ConfigError, parse_args
+from torchtitan_ext.data.corpus import builtin_tokenizer
+from torchtitan_ext.models.decoder import Decoder
+
+
+def find_checkpoint(path: str | Path, cfg: JobConfig | None = None) -> tuple[Path, Path]:
+    """(dump folder, checkpoint folder) for a dump folder (latest or ``checkpoint.load_step``), its
+    ``checkpoint/`` folder, or one ``step-N`` folder."""
+    p = Path(path).expanduser()
+    if (p / ".metadata").is_file():
+        return p.parent.parent, p
+    sub = p / (cfg.checkpoint.folder if cfg is not None else "checkpoint")
+    dump, folder = (p, sub) if sub.is_dir() else (p.parent, p)
+    steps = complete_steps(folder)
+    want = cfg.checkpoint.load_step if cfg is not None else -1
+    if want >= 0:
+        if want not in steps:
+            raise ConfigError(f"checkpoint.load_step = {want}: no complete checkpoint {folder}/step-{want} "
+                              f"(found: {steps or 'none'})")
+        return dump, folder / f"step-{want}"
+    if not steps:
+        raise ConfigError(f"{p}: no complete checkpoint (expected a dump folder with checkpoint/step-N/)")
+    return dump, folder / f"step-{steps[-1]}"
+
+
+def load_trained(path: str | Path, device: str | torch.device = "cpu", cfg: JobConfig | None = None,
+                 dtype: torch.dtype = torch.float32) -> tuple[Decoder, object, JobConfig, Path]:
+    """(model in eval mode, tokenizer, job config, checkpoint folder) from a dump or checkpoint folder."""
+    from torchtitan_ext.train.trainer import resolve_model_args
+
+    dump, ckpt = find_checkpoint(path, cfg)
+    if cfg is None:
+        toml = dump / "config.toml"
+        if not toml.is_file():
+            raise ConfigError(f"{dump}: no config.toml (the trainer writes it into the dump folder)")
+        cfg = parse_args(["--config", str(toml)])
+    d = cfg.data
+    tok = builtin_tokenizer(d.tokenizer, d.tokenizer_vocab_size, Path(d.cache_dir).expanduser())
+    args = resolve_model_args(cfg, getattr(tok, "vocab_size", 0))
+    device = torch.device(device)
+    with torch.device(device):
+        model = Decoder(args)
+    model.init_buffers(device)
+    state = {k: v for k, v in model.state_dict().items()}
+    dcp.load({"model": state}, checkpoint_id=str(ckpt))
+    model.load_state_dict(state)
+    return model.to(dtype).eval(), tok, cfg, ckpt

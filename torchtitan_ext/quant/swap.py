@@ -1,0 +1,32 @@
+"""``[quant]``: QAT and INT8-forward module swaps on the meta model, before TP and FSDP (like float8)."""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from torchtitan_ext.config.job_config import JobConfig
+from torchtitan_ext.config.loader import ConfigError
+from torchtitan_ext.quant.int8 import apply_int8_forward
+from torchtitan_ext.quant.qat import apply_qat
+
+
+def apply_quant(model: nn.Module, cfg: JobConfig, tp: int) -> list[str]:
+    """Swap the configured modules; returns log lines. Unsupported combinations raise ConfigError."""
+    q = cfg.quant
+    if q.qat == "none" and not q.int8_forward:
+        return []
+    if tp > 1:
+        raise ConfigError("quant.qat / quant.int8_forward: not supported with parallelism.tp > 1 yet (per-tensor "
+                          "scales of TP-sharded weights); use FSDP")
+    if cfg.float8.enabled:
+        raise ConfigError("quant.qat / quant.int8_forward and float8.enabled are exclusive: pick one")
+    lines = []
+    if q.int8_forward:
+        lines.append(f"quant: {apply_int8_forward(model)} block linears run their forward in int8")
+    if q.qat != "none":
+        if model.args.activation != "relu2":
+            raise ConfigError("quant.qat needs squared-ReLU FFNs: set model.activation = 'relu2'")
+        n = apply_qat(model, q.clamp, q.clamp_factor)
+        how = f"dynamic, factor {q.clamp_factor}" if q.clamp == "dynamic" else "static [-4, 4]"
+        lines.append(f"quant: QAT int8 on {n} FFNs (middle clamp {how})")
+    return lines

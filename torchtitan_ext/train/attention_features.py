@@ -1,0 +1,109 @@
+"""The trainer's side of visibility masks, attention / output Z-regularisation and KV sharing: checks the
+options against the layout (one line each), feeds the model its (start, limit) and positions, sets the
+regularisers' coefficients and scale, and collects the per-layer attention LSE metric."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from torchtitan_ext.config.loader import ConfigError
+from torchtitan_ext.data.documents import Documents
+from torchtitan_ext.models.decoder import Attention, Decoder
+from torchtitan_ext.ops.zreg import VirtualLoss, output_z_term
+from torchtitan_ext.parallel.pp import layer_ranges
+
+
+def check_kv_share_split(n_layers: int, n_stages: int, split_points: list[str], group: int) -> None:
+    """Every pipeline stage must start a KV-sharing group: a consumer never sits in another stage than its
+    producer. Every rank checks every stage, so all refuse together."""
+    for stage in layer_ranges(n_layers, n_stages, split_points):
+        first = stage.start
+        if first % group:
+            raise ConfigError(f"model.kv_share = 'interleaved' (groups of {group}): a pipeline stage starts at "
+                              f"layer {first}, separating it from the layer that computes its K/V; choose "
+                              f"parallelism.pp_split_points at multiples of {group}")
+
+
+def pipeline_mask_args(inputs: torch.Tensor, model_kwargs: dict) -> tuple[torch.Tensor, ...]:
+    """(start, limit, positions) for the first pipeline stage (``parallel.pp.MaskCarrier``); positions
+    0, 1, ... when the batch has none (the same RoPE values as the tables)."""
+    start, limit = model_kwargs["visibility"]
+    positions = model_kwargs.get("positions")
+    if positions is None:
+        positions = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs).contiguous()
+    return start, limit, positions
+
+
+class AttentionFeatures:
+    def __init__(self, cfg, dims, parts: list[nn.Module], n_layers: int, eot_id: int | None, accum_steps: int,
+                 loaders):
+        t, d = cfg.training, cfg.data
+        self.output_z_reg = t.output_z_reg
+        if d.position_reset and d.attention == "causal":
+            raise ConfigError("data.position_reset = true needs data.attention = 'document' or 'tree'")
+        if t.output_z_reg > 0 and t.fused_linear_ce:
+            raise ConfigError("training.output_z_reg needs the logits; it does not combine with "
+                              "training.fused_linear_ce yet")
+        if cfg.model.kv_share != "none" and dims.pp > 1:
+            p = cfg.parallelism
+            check_kv_share_split(n_layers, dims.pp * p.pp_virtual_stages, p.pp_split_points, cfg.model.kv_share_group)
+        self.documents = None
+        if d.attention == "document":
+            if eot_id is None:
+                raise ConfigError("data.attention = 'document' needs a tokenizer with an end-of-text token")
+            self.documents = Documents(eot_id, d.position_reset)
+            for loader in loaders:  # loaders that know their windows' places also continue cut documents
+                if loader is not None and hasattr(loader, "documents"):
+                    loader.documents = self.documents
+        # The virtual loss is scaled like the main loss (1 / micro-batches); the pipeline schedule divides
+        # every gradient by its micro-batch count itself.
+        VirtualLoss.scale = 1.0 / accum_steps
+        self.attentions = {f"{name}": m for part in parts for name, m in part.named_modules()
+                           if isinstance(m, Attention)}
+        for m in self.attentions.values():
+            m.z_reg = t.attention_z_reg
+        self.decoders = [m for part in parts for m in part.modules() if isinstance(m, Decoder)]
+        if t.compile and cfg.activation_checkpoint.mode != "none":
+            # Recording the LSE metric sets an attribute in the forward; a compiled checkpointed block must
+            # be told not to replay that during recomputation (which is also what eager checkpointing does
+            # harmlessly: it records the same value again).
+            import torch._dynamo.config as dynamo_config
+
+            if hasattr(dynamo_config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+                dynamo_config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+        self.z_reg = t.attention_z_reg
+        self.record_lse(False)
+
+    def model_kwargs(self, batch, device: torch.device) -> dict:
+        """``visibility`` / ``positions`` for ``Decoder.forward``."""
+        vis, pos = batch.visibility, batch.positions
+        if self.documents is None and vis is None:
+            return {}
+        if vis is None:  # a loader that packs whole documents: every window starts with a document
+            vis, pos = self.documents.batch(batch.inputs)
+        out = {"visibility": (vis[0].to(device), vis[1].to(device))}
+        if pos is not None:
+            out["positions"] = pos.to(device)
+        return out
+
+    def output_term(self, logits: torch.Tensor) -> torch.Tensor | float:
+        """Zero in value; its gradient is output Z-reg's."""
+        return output_z_term(logits, self.output_z_reg) if self.output_z_reg > 0 else 0.0
+
+    def record_lse(self, on: bool) -> None:
+        """Record each layer's mean LSE in the coming step (a log step)."""
+        for m in self.attentions.values():
+            m.record_lse, m.lse_mean = on, None
+        for m in self.decoders:
+            m.causal_flex = on or self.z_reg > 0
+
+    def metrics(self) -> dict[str, float]:
+        """``attn/lse/<layer>``: the mean log-sum-exp of the attention logits, from the last micro-batch."""
+        out = {}
+        for name, m in self.attentions.items():
+            if m.lse_mean is not None:
+                layer = name.split("layers.")[-1].split(".")[0]
+                out[f"attn/lse/{layer}"] = float(m.lse_mean)
+        self.record_lse(False)
+        return out

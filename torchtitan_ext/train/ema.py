@@ -1,0 +1,69 @@
+"""An exponential moving average of the parameters, in float32, sharded like them.
+
+Each shadow is a float32 copy of a parameter with the same placements (an FSDP/TP DTensor stays a DTensor),
+so updates are local (no gathers) and the checkpoint stores and reshards it like the model. From
+``start_step`` every ``every`` steps: ``ema = decay * ema + (1 - decay) * param``; at the first such step the
+average starts as a copy of the parameters. ``swapped_in`` lends the average to the model (evaluation,
+exporters) and restores the trained weights afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn as nn
+
+
+def _fqn(name: str) -> str:
+    return name.replace("module.", "").replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+class EMA:
+    def __init__(self, parts: list[nn.Module], decay: float, every: int = 1, start_step: int = 0):
+        self.decay, self.every, self.start_step = decay, every, start_step
+        self.params: dict[str, nn.Parameter] = {_fqn(n): p for m in parts for n, p in m.named_parameters()}
+        with torch.no_grad():
+            self.shadow = {n: p.detach().float().clone() for n, p in self.params.items()}
+        self.started = False
+
+    @torch.no_grad()
+    def update(self, step: int) -> None:
+        """After the optimizer step of 1-based ``step``."""
+        if step < self.start_step or (step - self.start_step) % self.every:
+            return
+        for n, p in self.params.items():
+            if self.started:
+                self.shadow[n].lerp_(p.detach().float(), 1.0 - self.decay)
+            else:
+                self.shadow[n].copy_(p.detach())
+        self.started = True
+
+    @contextlib.contextmanager
+    def swapped_in(self) -> Iterator[None]:
+        """The model holds the average inside the block (the trained weights once it started)."""
+        if not self.started:
+            yield
+            return
+        with torch.no_grad():
+            saved = {n: p.detach().clone() for n, p in self.params.items()}
+            for n, p in self.params.items():
+                p.copy_(self.shadow[n])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for n, p in self.params.items():
+                    p.copy_(saved[n])
+
+    # Stateful, for the checkpoint's ``states`` dict.
+    def state_dict(self) -> dict:
+        return {"started": torch.tensor(int(self.started)), **{f"shadow.{n}": t for n, t in self.shadow.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.started = bool(int(state["started"]))
+        with torch.no_grad():
+            for n, t in self.shadow.items():
+                if state[f"shadow.{n}"] is not t:
+                    t.copy_(state[f"shadow.{n}"])
