@@ -4,6 +4,8 @@
 # into the tree (it lives in ../shared, which does not travel):
 #   benchmarks/bench_vs_plain.sh PLAIN_SCRIPT [OUT_DIR]
 # AFTER overrides the trainer flags of the "after" runs (default: fused Triton kernels + fused linear CE).
+# ONLY="name ..." runs only those runs (e.g. ONLY="plain_1b sac_1b" for a short call); ratios whose runs are
+# missing print n/a.
 # Appends a dated section (figures, top kernels of the 1b step before and after) to benchmarks/RESULTS.md
 # and copies it to OUT_DIR/section.md.
 set -uo pipefail
@@ -16,14 +18,18 @@ if [ -d .whl ] && ! python3 -c "import torchao" 2>/dev/null; then
 fi
 export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 STEPS="${STEPS:-15}"
+ONLY="${ONLY:-}"
+wanted() { [ -z "$ONLY" ] || [[ " $ONLY " == *" $1 "* ]]; }
 
 plain() {  # name, args
     local name=$1; shift
+    wanted "$name" || return 0
     python3 "$PLAIN" "$@" > "$OUT/$name.json" 2> "$OUT/$name.err" || { echo "plain $name failed"; tail -5 "$OUT/$name.err"; }
     cat "$OUT/$name.json"
 }
 trainer() {  # name, args (benchmarks/profile_step.py: tokens/s, peak memory, losses, top kernels)
     local name=$1; shift
+    wanted "$name" || return 0
     python3 benchmarks/profile_step.py "$name" --config train_configs/debug.toml --data.tokenizer byte \
         --training.compile true --checkpoint.enabled false --eval.steps 0 --metrics.tensorboard false \
         --metrics.log_freq 1000 --optimizer.lr 3e-4 --training.steps "$STEPS" "$@" > "$OUT/$name.txt" 2> "$OUT/$name.err" \
@@ -34,6 +40,9 @@ ONE_B=(--model.flavor 1b --training.seq_len 2048 --training.local_batch_size 16)
 EIGHT_B=(--model.flavor llama3_8b --model.n_layers 4 --model.vocab_size 32000 --training.seq_len 4096
          --training.local_batch_size 4)
 FP8=(--float8.enabled true --float8.recipe tensorwise)
+CE=(--training.fused_linear_ce true --training.fused_linear_ce_chunk 4096)
+# Op-level selective AC: keep GEMM and attention outputs, recompute norms, RoPE, SwiGLU product and casts.
+SAC=(--activation_checkpoint.mode selective --activation_checkpoint.selective_every 0)
 
 plain plain_1b --shape 1b --batch 16
 plain plain_8b --shape 8b_layers4 --batch 4
@@ -46,6 +55,12 @@ trainer after_1b_ce_only "${ONE_B[@]}" --training.fused_linear_ce true --trainin
 trainer after_8b "${EIGHT_B[@]}" $AFTER
 # shellcheck disable=SC2086
 trainer after_8b_fp8 "${EIGHT_B[@]}" "${FP8[@]}" $AFTER
+trainer sac_1b "${ONE_B[@]}" "${CE[@]}" "${SAC[@]}"
+# The float8 head cannot combine with the fused linear CE (it bypasses the head's Float8Linear): all three plain.
+trainer bf16_8b "${EIGHT_B[@]}"
+trainer fp8_8b "${EIGHT_B[@]}" "${FP8[@]}"
+trainer fp8_8b_head "${EIGHT_B[@]}" "${FP8[@]}" --float8.include_output true
+trainer sac_1b_b24 --model.flavor 1b --training.seq_len 2048 --training.local_batch_size 24 "${CE[@]}" "${SAC[@]}"
 
 python3 - "$OUT" "$AFTER" <<'PY' | tee "$OUT/section.md"
 import json, sys
@@ -72,8 +87,19 @@ print(f"| 8B-shaped 4 layers bf16 tokens/s | {p8.get('tok_s')} | {a8.get('tokens
 print(f"| same, float8 tensorwise | {p8f.get('tok_s')} | {a8f.get('tokens_per_sec')} | {ratio(a8f, p8f)} | |")
 print(f"| float8 over our own bf16 | | {a8f.get('tokens_per_sec')} / {a8.get('tokens_per_sec')} | "
       f"{ratio(a8f, a8, bkey='tokens_per_sec')} | >= 1.35x |")
-print(f"\nLosses of the 1b runs per step (same data and seed): before {b1.get('losses')}, after {a1.get('losses')}\n")
-for name in ("before_1b", "after_1b"):
+s1, s24, b8, f8, f8h = (load(n, "txt") for n in ("sac_1b", "sac_1b_b24", "bf16_8b", "fp8_8b", "fp8_8b_head"))
+print(f"| 1b, fused linear CE + op-level selective AC, tokens/s | {p1.get('tok_s')} | {s1.get('tokens_per_sec')} | "
+      f"{ratio(s1, p1)} | |")
+print(f"| same, peak memory GiB | {p1.get('peak_gib')} | {s1.get('peak_memory_gib')} | | <= 40 |")
+print(f"| same at batch 24: tokens/s, peak GiB | | {s24.get('tokens_per_sec')}, {s24.get('peak_memory_gib')} | "
+      f"{ratio(s24, p1)} | |")
+print(f"| 8B-shaped float8: head in float8 over head in bf16 (no fused CE) | | {f8h.get('tokens_per_sec')} / "
+      f"{f8.get('tokens_per_sec')} | {ratio(f8h, f8, bkey='tokens_per_sec')} | |")
+print(f"| same flags, float8 (head too) over our own bf16 | | {f8h.get('tokens_per_sec')} / {b8.get('tokens_per_sec')} | "
+      f"{ratio(f8h, b8, bkey='tokens_per_sec')} (blocks only {ratio(f8, b8, bkey='tokens_per_sec')}) | >= 1.35x |")
+print(f"\nLosses of the 1b runs per step (same data and seed): before {b1.get('losses')}, after {a1.get('losses')}, "
+      f"selective AC {s1.get('losses')}\n")
+for name in ("before_1b", "after_1b", "sac_1b"):
     path = out / f"{name}.txt"
     if path.exists():
         lines = path.read_text().splitlines()
@@ -81,4 +107,4 @@ for name in ("before_1b", "after_1b"):
         print("```\n" + "\n".join(lines[top[0]:] if top else ["(no profile)"]) + "\n```")
 PY
 { echo; echo "## Issue 16: trainer vs the plain script, one run ($(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1))"; echo;
-  echo "Command: \`benchmarks/bench_vs_plain.sh plain_llama.py\` (STEPS=$STEPS, 5 untimed)."; echo; cat "$OUT/section.md"; } >> benchmarks/RESULTS.md
+  echo "Command: \`benchmarks/bench_vs_plain.sh plain_llama.py\` (STEPS=$STEPS${ONLY:+, ONLY=\"$ONLY\"}, 5 untimed)."; echo; cat "$OUT/section.md"; } >> benchmarks/RESULTS.md

@@ -8,9 +8,14 @@ import torch.nn as nn
 from torchtitan_ext.models.mode import MoDE
 
 
-def apply_compile(model: nn.Module, experts_in_graph: bool, tensor_parallel: bool) -> None:
+def apply_compile(model: nn.Module, experts_in_graph: bool, tensor_parallel: bool, compile_head: bool = False
+                  ) -> None:
     """Compile each block as one graph (``fullgraph``), except MoDE blocks when ``experts_in_graph`` is
     false: their experts run eagerly between compiled graphs (see ``_compile_around_experts``).
+
+    ``compile_head``: compile the output head too, in place (its parameter names stay). For a float8 head:
+    eagerly, torchao's amax, scale and cast of the (tokens x vocabulary) logit gradient are separate kernels
+    that cost more than the float8 GEMM saves (measured on an H100, benchmarks/RESULTS.md).
 
     Under tensor parallelism the AOTAutograd cache is turned off: with a warm cache, TP ranks of a compiled
     MoDE model were measured to load a backward graph that gave wrong gradients from the second step on
@@ -24,6 +29,8 @@ def apply_compile(model: nn.Module, experts_in_graph: bool, tensor_parallel: boo
             _compile_around_experts(inner)
         else:
             model.layers[name] = torch.compile(block, fullgraph=True)
+    if compile_head and getattr(model, "output", None) is not None:
+        model.output.compile(fullgraph=True)
 
 
 def _compile_around_experts(block: nn.Module) -> None:

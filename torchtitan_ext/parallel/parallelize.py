@@ -21,7 +21,7 @@ from torchtitan_ext.quant.swap import apply_quant
 def parallelize_decoder(model: nn.Module, dims: ParallelDims, cfg: JobConfig, on_gpu: bool,
                         loss_parallel: bool) -> None:
     """Apply every parallelism except pipelining (which splits the model first) to one model part."""
-    for line in apply_quant(model, cfg, dims.tp):  # QAT / INT8 swaps, before TP and FSDP like float8
+    for line in apply_quant(model, cfg):  # QAT / INT8 swaps, before TP and FSDP like float8
         if dist.get_rank() == 0:
             print(line)
     if cfg.float8.enabled:  # before TP and FSDP: they shard the Float8Linear weights
@@ -40,7 +40,11 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, cfg: JobConfig, on
         print("activation_checkpoint: MoDE blocks under EP/TP are recomputed in full (torch's op-level "
               "selective checkpointing cannot wrap their FSDP units); other blocks use the op-level policy")
     if cfg.training.compile:  # experts join the block's graph only on GPU and outside their own FSDP units
-        apply_compile(model, experts_in_graph=on_gpu and not moe_fsdp_units, tensor_parallel=dims.tp > 1)
+        apply_compile(model, experts_in_graph=on_gpu and not moe_fsdp_units, tensor_parallel=dims.tp > 1,
+                      compile_head=cfg.float8.enabled and cfg.float8.include_output)
+        if dims.tp > 1 and model.tok_embeddings is not None and dist.get_rank() == 0:
+            print("compile: under TP the embedding's reduce-scatter completes before the first compiled block "
+                  "(torch 2.13 loses the gradient of an in-flight one: benchmarks/repro_tp_compile.py)")
     if dims.fsdp_enabled or moe_under_tp:
         param_dtype = DTYPES[cfg.training.mixed_precision_param] if on_gpu and dims.fsdp_enabled \
             else DTYPES["float32"]  # without FSDP the blocks run under autocast

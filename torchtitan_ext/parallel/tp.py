@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -24,6 +24,7 @@ from torch.distributed.tensor.parallel import (
 from torchtitan_ext.config.loader import ConfigError
 from torchtitan_ext.models.args import ModelArgs
 from torchtitan_ext.models.mode import MoDE
+from torchtitan_ext.quant.qat import QATFeedForward
 
 
 def check_tp(args: ModelArgs, tp: int) -> None:
@@ -36,11 +37,24 @@ def check_tp(args: ModelArgs, tp: int) -> None:
         raise ValueError(f"parallelism.tp = {tp} needs untied embeddings (the flavor ties them)")
 
 
+class SyncRowwiseParallel(RowwiseParallel):
+    """RowwiseParallel whose output reduce-scatter completes before the module returns (for the embedding,
+    whose output the first block needs at once anyway). Its stock async form hands the first compiled block an
+    AsyncCollectiveTensor, and a compiled graph's backward then skips that tensor's ``to_local`` node: the
+    embedding's redistribute gets a plain-tensor gradient and fails (torch 2.13, benchmarks/repro_tp_compile.py)."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if outputs.placements != output_layouts:
+            outputs = outputs.redistribute(placements=output_layouts, async_op=False)
+        return outputs.to_local() if use_local_output else outputs
+
+
 def apply_tp(model: nn.Module, mesh: DeviceMesh, loss_parallel: bool) -> None:
     """Shard a Decoder (or a pipeline stage of one) over the 1-D ``tp`` mesh, in place."""
     root_plan = {}
     if model.tok_embeddings is not None:
-        root_plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+        root_plan["tok_embeddings"] = SyncRowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
     if model.norm is not None:
         root_plan["norm"] = SequenceParallel()
         root_plan["output"] = ColwiseParallel(input_layouts=Shard(1),
@@ -49,6 +63,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, loss_parallel: bool) -> None:
     if root_plan:
         parallelize_module(model, mesh, root_plan)
     for block in model.layers.values():
+        local = block.residual_scale is None  # branch outputs as local tensors, else DTensors (see below)
         plan = {
             "attention_norm": SequenceParallel(),
             # (x, rope, mask, shared kv): only x is sequence-sharded; the rest are plain local tensors
@@ -57,7 +72,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, loss_parallel: bool) -> None:
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=local),
             "ffn_norm": SequenceParallel(),
         }
         if not block.attention.computes_kv:  # KV sharing: this layer reuses its group's first layer's K/V
@@ -67,20 +82,39 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, loss_parallel: bool) -> None:
             # its parameters are sharded over data-parallel x TP ranks by FSDP instead (see fsdp.py).
             plan["feed_forward"] = PrepareModuleInputOutput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_input=True,
-                output_layouts=(Shard(1),), desired_output_layouts=(Shard(1),), use_local_output=True)
+                output_layouts=(Shard(1),), desired_output_layouts=(Shard(1),), use_local_output=local)
         else:
             plan["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),),
                                                       desired_input_layouts=(Replicate(),))
             plan["feed_forward.w1"] = ColwiseParallel()
-            plan["feed_forward.w2"] = RowwiseParallel(output_layouts=Shard(1))
+            plan["feed_forward.w2"] = RowwiseParallel(output_layouts=Shard(1), use_local_output=local)
             if block.feed_forward.w3 is not None:
                 plan["feed_forward.w3"] = ColwiseParallel()
+            if isinstance(block.feed_forward, QATFeedForward):  # computes on the DTensor weights itself and
+                plan["feed_forward"] = PrepareModuleInputOutput(  # returns w2's partial sums: reduce-scatter
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), output_layouts=(Partial(),),
+                    desired_output_layouts=(Shard(1),), use_local_output=local)
         if block.attention.q_norm is not None:
             # Per-head norms see this rank's heads (dim 2); as replicated DTensors their gradients are summed.
             plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
             if block.attention.k_norm is not None:
                 plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         parallelize_module(block, mesh, plan)
+        if not local:
+            _residual_stream_as_dtensor(block, mesh)
+
+
+def _residual_stream_as_dtensor(block: nn.Module, mesh: DeviceMesh) -> None:
+    """Residual scalars multiply each rank's slice of the sequence, so their gradients must be summed over
+    the TP ranks: the block takes its residual stream as a sequence-sharded DTensor (its branches return
+    DTensors too) and the scalars become replicated DTensors, whose gradients DTensor sums like the norms'."""
+    block.residual_scale = nn.Parameter(DTensor.from_local(block.residual_scale.data, mesh, [Replicate()],
+                                                           run_check=False))
+    rest = (None,) * (3 if block.shares_kv else 2)  # (x, rope, mask[, shared kv]) in, (h[, kv]) out
+    out = (Shard(1), None) if block.shares_kv else (Shard(1),)
+    parallelize_module(block, mesh, PrepareModuleInputOutput(
+        input_layouts=(Shard(1), *rest), desired_input_layouts=(Shard(1), *rest), use_local_input=False,
+        output_layouts=out, desired_output_layouts=out, use_local_output=True))
 
 
 def enable_async_tp(mesh: DeviceMesh, compiled: bool, on_gpu: bool) -> None:

@@ -7,8 +7,10 @@ and the only one whose weights FSDP2 can all-gather in float8 and whose TP all-g
 ``rowwise_with_gw_hp`` (rowwise, with the weight gradient computed in bf16).
 
 Which linears stay in bf16 (``float8_module_filter``): the FQNs listed in ``filter_fqns`` (the output head by
-default: its logits feed the loss and it is a large share of the error), MoDE routers (an FP8 rounding can
-flip a top-k choice, and the GEMM is tiny), and any linear whose in/out features are below ``min_dim`` or not
+default: its logits feed the loss and it is a large share of the error; ``include_output`` converts it anyway,
+and under TP each rank then casts its own vocabulary shard of the head, with the tensorwise scale a global
+amax over the shards; compiled, the head is its own graph), MoDE routers (an FP8 rounding can flip a top-k
+choice, and the GEMM is tiny), and any linear whose in/out features are below ``min_dim`` or not
 divisible by 16 (``torch._scaled_mm`` needs multiples of 16; small GEMMs lose more to the casts than the FP8
 GEMM saves).
 
@@ -63,10 +65,15 @@ def _torchao_float8() -> ModuleType:
                           f"{INSTALL_HINT}") from None
 
 
-def check_float8_supported(cfg: Float8Section, device: torch.device) -> None:
-    """Refuse, before any work starts, a float8 setup that cannot run here; a no-op when FP8 is off."""
+def check_float8_supported(cfg: Float8Section, device: torch.device, fused_linear_ce: bool = False) -> None:
+    """Refuse, before any work starts, a float8 setup that cannot run here; a no-op when FP8 is off.
+    ``fused_linear_ce``: the trainer's ``training.fused_linear_ce``, which applies the head's high-precision
+    weight itself and so would silently bypass a float8 head."""
     if not cfg.enabled:
         return
+    if cfg.include_output and fused_linear_ce:
+        raise ConfigError("float8.include_output = true and training.fused_linear_ce = true are exclusive: the "
+                          "fused loss multiplies by the head's weight itself, not through its Float8Linear")
     if cfg.recipe != "tensorwise":
         for key in ("enable_fsdp_float8_all_gather", "precompute_float8_dynamic_scale_for_fsdp"):
             if getattr(cfg, key):
@@ -90,7 +97,7 @@ def check_float8_supported(cfg: Float8Section, device: torch.device) -> None:
 def _skip_reason(cfg: Float8Section, module: nn.Module, fqn: str) -> str | None:
     """Why the linear ``fqn`` stays in bf16, or None when it becomes a Float8Linear."""
     hit = next((f for f in cfg.filter_fqns if f in fqn), None)
-    if hit is not None:
+    if hit is not None and not (cfg.include_output and fqn == "output"):
         return f"filter_fqns entry {hit!r}"
     if any(part.startswith("router") for part in fqn.split(".")):
         return "MoDE router"
