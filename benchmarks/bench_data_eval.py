@@ -1,8 +1,11 @@
-"""Benchmarks of issue 15 that need no trainer run: data.prepare throughput by worker count, and
-generation tokens/s with the KV cache. Prints one JSON line per measurement.
+"""Benchmarks of issue 15: data.prepare throughput by worker count, generation tokens/s with the KV cache,
+and the summary of the domains jobs of bench_data_eval.sh. Prints one JSON line per measurement.
 
-    python benchmarks/bench_data_eval.py prepare OUT_DIR   # corpus of stdlib sources, 1/2/4/8 workers
-    python benchmarks/bench_data_eval.py generate          # 1b flavor, random init, bf16, one GPU
+    python benchmarks/bench_data_eval.py prepare OUT_DIR [--smoke]  # stdlib sources, 1/2/4/8 workers
+    python benchmarks/bench_data_eval.py generate [--smoke]         # 1b flavor, random init, bf16, one GPU
+    python benchmarks/bench_data_eval.py domains DUMP...            # each job's last evaluation
+
+``--smoke``: a small input and the debug flavor on CPU, to check the script itself.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from pathlib import Path
 import torch
 
 
-def bench_prepare(out: Path) -> None:
+def bench_prepare(out: Path, smoke: bool) -> None:
     from torchtitan_ext.data.prepare import main as prepare
 
     out.mkdir(parents=True, exist_ok=True)
@@ -33,10 +36,10 @@ def bench_prepare(out: Path) -> None:
                 line = json.dumps({"text": text[s:s + 4000]}) + "\n"
                 f.write(line)
                 written += len(line)
-            if written > 64e6:
+            if written > (2e6 if smoke else 64e6):
                 break
     mb = corpus.stat().st_size / 1e6
-    for workers in (1, 2, 4, 8):
+    for workers in (1, 2) if smoke else (1, 2, 4, 8):
         dest = out / f"w{workers}"
         err = io.StringIO()
         start = time.perf_counter()
@@ -51,37 +54,62 @@ def bench_prepare(out: Path) -> None:
                           "removed": report["removed"], "tokens": report["tokens"]}), flush=True)
 
 
-def bench_generate() -> None:
+def bench_generate(smoke: bool) -> None:
     from torchtitan_ext.generate import generate
     from torchtitan_ext.models.decoder import Decoder
     from torchtitan_ext.models.flavors import get_flavor
 
-    device = torch.device("cuda")
-    args = dataclasses.replace(get_flavor("1b"), max_seq_len=1024)
+    device = torch.device("cpu" if smoke else "cuda")
+    flavor = "debug" if smoke else "1b"
+    args = dataclasses.replace(get_flavor(flavor), max_seq_len=1024, vocab_size=get_flavor(flavor).vocab_size or 512)
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    new_tokens = 16 if smoke else 256
     with torch.device(device):
         model = Decoder(args)
     model.init_buffers(device)
     with torch.no_grad():
         for p in model.parameters():  # random init (the speed does not depend on the values)
             p.normal_(0, 0.02) if p.ndim > 1 else p.fill_(1.0)
-    model = model.to(torch.bfloat16).eval()
+    dtype = torch.float32 if smoke else torch.bfloat16
+    model = model.to(dtype).eval()
     gen = torch.Generator().manual_seed(0)
-    for batch in (1, 8, 32):
+    for batch in (1, 2) if smoke else (1, 8, 32):
         prompts = [torch.randint(0, args.vocab_size, (128,), generator=gen).tolist() for _ in range(batch)]
         generate(model, prompts, 8)  # warm-up
-        torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
-        new = generate(model, prompts, 256)
-        torch.cuda.synchronize()
+        new = generate(model, prompts, new_tokens)
+        sync()
         secs = time.perf_counter() - start
-        print(json.dumps({"bench": "generate", "flavor": "1b", "dtype": "bfloat16", "batch": batch,
-                          "prompt": 128, "new_tokens": 256, "seconds": round(secs, 2),
+        print(json.dumps({"bench": "generate", "flavor": flavor, "dtype": str(dtype).removeprefix("torch."),
+                          "batch": batch, "prompt": 128, "new_tokens": new_tokens, "seconds": round(secs, 2),
                           "tokens_per_sec": round(sum(map(len, new)) / secs, 1),
-                          "ms_per_step": round(1000 * secs / 256, 2)}), flush=True)
+                          "ms_per_step": round(1000 * secs / new_tokens, 2)}), flush=True)
+
+
+def domains_summary(dumps: list[Path]) -> None:
+    """Each domains job's last evaluation: tokens trained, validation loss / bpb overall and per domain, and
+    the mixing weights after it (one JSON line per job)."""
+    for dump in dumps:
+        path = dump / "metrics.jsonl"
+        if not path.is_file():
+            print(json.dumps({"bench": "domains", "job": dump.name, "error": "no metrics.jsonl"}))
+            continue
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        tokens = max((r["tokens"] for r in records if "tokens" in r), default=0)
+        evals = [r for r in records if "val_loss" in r]
+        last = evals[-1] if evals else {}
+        keep = {k: round(v, 4) for k, v in last.items() if k in ("step", "val_loss", "val_bpb")
+                or k.startswith(("val/", "data/weight/"))}
+        print(json.dumps({"bench": "domains", "job": dump.name, "tokens": tokens, "evaluations": len(evals),
+                          **keep}), flush=True)
 
 
 if __name__ == "__main__":
+    smoke = "--smoke" in sys.argv
     if sys.argv[1] == "prepare":
-        bench_prepare(Path(sys.argv[2]))
+        bench_prepare(Path(sys.argv[2]), smoke)
+    elif sys.argv[1] == "domains":
+        domains_summary([Path(p) for p in sys.argv[2:]])
     else:
-        bench_generate()
+        bench_generate(smoke)

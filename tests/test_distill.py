@@ -188,10 +188,11 @@ def test_student_soft_ce_falls_faster_than_hard_labels(distilled):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [["--training.local_batch_size", "2"], ["--parallelism.tp", "2"]],
-                         ids=["fsdp2", "tp2"])
+@pytest.mark.parametrize("layout", [["--training.local_batch_size", "2"], ["--parallelism.tp", "2"],
+                                    ["--parallelism.pp", "2"]], ids=["fsdp2", "tp2", "pp2"])
 def test_two_process_student_equals_one_process(distilled, tmp_path, layout):
-    """FSDP2 (each rank half the batch) and TP2 (the soft loss on vocabulary-sharded logits) students."""
+    """FSDP2 (each rank half the batch), TP2 (the soft loss on vocabulary-sharded logits) and PP2 (the soft
+    targets packed with the labels, split into 2 micro-batches and carried to the last stage) students."""
     root, _, students = distilled
     run_trainer(tmp_path / "two", 2, *_job(root), "--training.steps", "30", "--job.seed", "1", *layout,
                 "--distill.path", str(root / "side"), "--distill.alpha", "0.9")
@@ -199,6 +200,10 @@ def test_two_process_student_equals_one_process(distilled, tmp_path, layout):
     one = {r["step"]: r["loss"] for r in students["0.9"]}
     for step in (1, 2, 10, 30):
         assert two[step] == pytest.approx(one[step], rel=2e-4, abs=2e-4), step
+    if "--training.local_batch_size" not in layout:  # rank 0 logs the soft loss of the whole batch
+        soft_two = {r["step"]: r["distill/soft_ce"] for r in read_metrics(tmp_path / "two")}
+        for r in students["0.9"]:
+            assert soft_two[r["step"]] == pytest.approx(r["distill/soft_ce"], rel=2e-4, abs=2e-4), r["step"]
 
 
 def test_teacher_pass_resumes_to_the_same_bytes(distilled, tmp_path):

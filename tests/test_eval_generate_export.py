@@ -97,6 +97,39 @@ def test_sliding_window_equals_token_by_token_reference():
     assert got[0].item() == pytest.approx(ref, rel=1e-10)
 
 
+@pytest.mark.parametrize("layout", [["--training.local_batch_size", "3"], ["--parallelism.tp", "2"],
+                                    ["--parallelism.pp", "2"]], ids=["fsdp2", "tp2", "pp2"])
+def test_trainer_sliding_eval_equals_eval_cli(trained, tmp_path, layout):
+    """The trainer's evaluation with eval.stride, resumed at the last step of the trained job (so it only
+    evaluates): 2 FSDP ranks splitting the windows (3 per rank: the last global batch padded with windows that
+    score nothing), TP2 (loss parallel over the vocabulary), or PP2 (2 micro-batches of different scored token
+    counts, weighted by them), equals the one-process eval CLI."""
+    import shutil
+    shutil.copytree(trained, tmp_path / "job")
+    sliding = ["--eval.stride", "16", "--eval.steps", "8"]  # 8 x batch x 64 + 1 tokens, in windows of 64 + 1
+    run_trainer(tmp_path / "job", 2, *LLAMA, *sliding, *layout)
+    final = [r for r in map(json.loads, (tmp_path / "job" / "metrics.jsonl").read_text().splitlines())][-1]
+    batch = layout[1] if layout[0] == "--training.local_batch_size" else "4"
+    out = _cli("torchtitan_ext.eval", "--config", str(trained / "config.toml"), *sliding,
+               "--training.local_batch_size", batch)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    assert res["scored_tokens"] == 8 * int(batch) * 64 and res["stride"] == 16
+    assert final["step"] == 6 and final["val_loss"] == pytest.approx(res["val_loss"], rel=1e-5)
+    assert final["val_bpb"] == pytest.approx(res["val_bpb"], rel=1e-5)
+    plain = _cli("torchtitan_ext.eval", "--config", str(trained / "config.toml"), "--eval.steps", "8",
+                 "--training.local_batch_size", batch)
+    assert abs(final["val_loss"] - json.loads(plain.stdout)["val_loss"]) > 1e-3  # the stride made a difference
+
+
+def test_trainer_sliding_eval_refusals(tmp_path):
+    for extra, why in ((["--eval.stride", "65"], "expected 0 or 1 .. seq_len (64)"),
+                       (["--eval.stride", "16", "--data.attention", "document"], "plain causal windows")):
+        proc = run_trainer(tmp_path, 0, "--eval.steps", "2", *extra, check=False)
+        err = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(err) == 1 and why in err[0], proc.stderr[-2000:]
+
+
 def test_generation_kv_cache_equals_no_cache(trained):
     model, tok, _, _ = load_trained(trained)
     prompts = [list(tok.encode("def main(")), list(tok.encode("import os\n")), list(tok.encode("x"))]

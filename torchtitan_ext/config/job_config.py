@@ -89,6 +89,8 @@ class TrainingSection:
     spike_factor: float = opt(1.5, "a spike is loss > factor x mean of the previous window", min=1.0)
     spike_window: int = opt(100, "losses averaged to detect a spike; also the LR-cut duration", min=1)
     spike_lr_scale: float = opt(0.5, "LR multiplier during the cut", min=0.0, max=1.0)
+    deterministic: bool = opt(False, "bitwise-reproducible debugging runs: deterministic kernels, cuDNN without "
+                              "autotuning, fixed cuBLAS workspace, all generators seeded (slower)")
 
 
 @dataclass
@@ -194,8 +196,9 @@ class EvalSection:
     interval: int = opt(0, "evaluate on the validation split every N steps; 0: only at the end", min=0)
     steps: int = opt(10, "validation batches per evaluation; 0 disables evaluation", min=0)
     use_ema: bool = opt(False, "evaluate the EMA weights ([ema] decay > 0)")
-    stride: int = opt(0, "python -m torchtitan_ext.eval: 0 scores non-overlapping windows; N > 0 slides "
-                      "windows by N tokens, each scored token seeing seq_len - N tokens of context", min=0)
+    stride: int = opt(0, "0 scores non-overlapping windows; N > 0 slides windows by N tokens over the first "
+                      "steps x local_batch_size x seq_len + 1 tokens of each validation split, each scored token "
+                      "seeing seq_len - N tokens of context (trainer and python -m torchtitan_ext.eval)", min=0)
 
 
 @dataclass
@@ -212,6 +215,8 @@ class Float8Section:
     enabled: bool = opt(False, "torchao float8 linears (H100 / compute capability >= 8.9)")
     recipe: str = opt("tensorwise", "scaling recipe", choices=("tensorwise", "rowwise", "rowwise_with_gw_hp"))
     filter_fqns: list = opt(["output"], "modules whose FQN contains one of these stay in bf16")
+    include_output: bool = opt(False, "the output head in float8 too, whatever filter_fqns says (under TP: "
+                               "each rank's vocabulary shard); not with training.fused_linear_ce")
     min_dim: int = opt(64, "linears with in/out features below this (or not divisible by 16) stay in "
                        "bf16", min=16)
     enable_fsdp_float8_all_gather: bool = opt(False, "all-gather FSDP params in float8 (tensorwise)")
@@ -241,6 +246,16 @@ class QuantSection:
 
 
 @dataclass
+class ProfilingSection:
+    enabled: bool = opt(False, "torch.profiler trace (Chrome JSON per rank) of steps start_step..end_step")
+    start_step: int = opt(3, "first profiled step", min=1)
+    end_step: int = opt(4, "last profiled step (>= start_step)", min=1)
+    memory_snapshot: bool = opt(False, "also a CUDA memory snapshot (pickle for pytorch.org/memory_viz) of those "
+                                "steps; GPU only")
+    folder: str = opt("profile", "sub-folder of job.dump_folder")
+
+
+@dataclass
 class EMASection:
     decay: float = opt(0.0, "EMA of the parameters (float32, sharded like them); 0 disables, e.g. 0.999",
                        min=0.0, max=1.0)
@@ -266,3 +281,4 @@ class JobConfig:
     distill: DistillSection = field(default_factory=DistillSection)
     quant: QuantSection = field(default_factory=QuantSection)
     ema: EMASection = field(default_factory=EMASection)
+    profiling: ProfilingSection = field(default_factory=ProfilingSection)

@@ -129,6 +129,8 @@ def build_data(*, dataset: str, train_path: str, val_path: str, tokenizer: str, 
                               "data.packing = 'concat' and no data.domains")
         train_cls = val_cls = functools.partial(TreeDataLoader, eot_id=getattr(tok, "eot_id", 0),
                                                 position_reset=position_reset)
+    if domains and domains["mixing"] == "adaptive" and not domains["domains"]:
+        raise ConfigError("data.mixing = 'adaptive' needs [[data.domains]] tables (it reweights domains)")
     if domains and domains["domains"]:
         from torchtitan_ext.data.mixing import build_mixing
 

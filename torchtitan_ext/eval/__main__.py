@@ -23,6 +23,7 @@ from torchtitan_ext.data.shards import ShardError
 def _streams(cfg) -> dict[str, np.ndarray]:
     """Validation token stream by domain name ("" without domains)."""
     from torchtitan_ext.data.loader import build_data
+    from torchtitan_ext.eval.sliding import eval_tokens, split_stream
 
     d, t = cfg.data, cfg.training
     _, _, val = build_data(dataset=d.dataset, train_path=d.train_path, val_path=d.val_path, tokenizer=d.tokenizer,
@@ -32,8 +33,8 @@ def _streams(cfg) -> dict[str, np.ndarray]:
     if val is None:
         raise ConfigError("no validation split: set data.val_path, or val in every [[data.domains]] table")
     loaders = val if isinstance(val, dict) else {"": val}
-    limit = cfg.eval.steps * t.local_batch_size * t.seq_len + 1 if cfg.eval.steps else None
-    return {name: np.concatenate([np.asarray(s) for s in loader.tokens])[:limit] for name, loader in loaders.items()}
+    limit = eval_tokens(cfg.eval.steps, t.local_batch_size, t.seq_len)
+    return {name: split_stream(loader, limit) for name, loader in loaders.items()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,11 +34,11 @@ def token_bytes(tokenizer, vocab_size: int) -> torch.Tensor | None:
 
 def batch_sums(loss: torch.Tensor, labels: torch.Tensor, table: torch.Tensor | None) -> torch.Tensor:
     """[loss x scored tokens, scored tokens, bytes] (float64) of one batch whose mean loss is ``loss``;
-    labels < 0 are not scored."""
+    labels < 0 are not scored; a batch that scores nothing (whose mean loss is NaN) adds zeros."""
     scored = labels >= 0
     n = scored.sum().double()
     nbytes = (table[labels.clamp(min=0)] * scored).sum().double() if table is not None else n.new_zeros(())
-    return torch.stack([loss.double() * n, n, nbytes])
+    return torch.stack([torch.where(n > 0, loss.double() * n, n), n, nbytes])
 
 
 def summarize(names: list[str], sums: torch.Tensor) -> tuple[float, dict[str, float]]:

@@ -1,13 +1,22 @@
 """Sliding-window evaluation (parameter-golf): windows of ``seq_len`` tokens advance by ``stride``; the
 first window scores all its targets, every later one only the targets no earlier window scored (its last
 ``stride``), so each scored token after the first window sees at least ``seq_len - stride`` tokens of
-context. ``stride = seq_len`` (or 0) is the plain non-overlapping evaluation. Windows run in batches."""
+context. ``stride = seq_len`` (or 0) is the plain non-overlapping evaluation. Windows run in batches.
+
+Both the standalone evaluator (``python -m torchtitan_ext.eval``, one process) and the trainer's periodic
+evaluation (``eval.stride > 0``, any data-parallel degree) score the same tokens: the first
+``eval.steps x local_batch_size x seq_len + 1`` of each validation split (``eval_tokens``)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from torchtitan_ext.config.loader import ConfigError
+from torchtitan_ext.data.loader import Batch
 from torchtitan_ext.eval.bpb import batch_sums
 
 
@@ -29,6 +38,85 @@ def windows(n_tokens: int, seq_len: int, stride: int) -> list[tuple[int, int]]:
     return out
 
 
+def eval_tokens(steps: int, local_batch_size: int, seq_len: int) -> int | None:
+    """Tokens of each validation split that a sliding evaluation scores (None: all of them)."""
+    return steps * local_batch_size * seq_len + 1 if steps else None
+
+
+def split_stream(loader, n_tokens: int | None) -> np.ndarray:
+    """The first ``n_tokens`` of a validation loader's token stream (its shards in order; all when None)."""
+    parts, have = [], 0
+    for shard in loader.tokens:
+        if n_tokens is not None and have >= n_tokens:
+            break
+        parts.append(np.asarray(shard[:None if n_tokens is None else n_tokens - have]))
+        have += len(parts[-1])
+    return np.concatenate(parts)
+
+
+def check_trainer_stride(cfg, val_loader) -> None:
+    """ConfigError (one line) for an ``eval.stride`` the trainer's periodic evaluation cannot honour;
+    ``val_loader``: None, one loader, or a dict of them by domain."""
+    stride, t = cfg.eval.stride, cfg.training
+    if not stride or val_loader is None or not cfg.eval.steps:
+        return
+    val_loaders = val_loader if isinstance(val_loader, dict) else {"": val_loader}
+    if cfg.data.attention != "causal":
+        raise ConfigError(f"eval.stride: sliding windows are plain causal windows; not supported with "
+                          f"data.attention = {cfg.data.attention!r}")
+    for name, loader in val_loaders.items():
+        try:
+            windows(len(split_stream(loader, eval_tokens(cfg.eval.steps, t.local_batch_size, t.seq_len))),
+                    t.seq_len, stride)
+        except ValueError as e:
+            raise ConfigError(f"validation split{f' {name!r}' if name else ''}: {e}") from None
+
+
+def trainer_batches(loader, cfg, dp_rank: int, dp: int) -> Iterator[Batch]:
+    """One validation split's batches for the trainer's evaluation: the loader's first ``eval.steps``, or with
+    ``eval.stride`` this rank's share of the sliding windows over the tokens the standalone evaluator scores."""
+    t = cfg.training
+    if not cfg.eval.stride:
+        loader.reset()  # every evaluation sees the same batches
+        return (loader.next_batch() for _ in range(cfg.eval.steps))
+    tokens = split_stream(loader, eval_tokens(cfg.eval.steps, t.local_batch_size, t.seq_len))
+    return rank_batches(tokens, t.seq_len, cfg.eval.stride, t.local_batch_size, dp_rank, dp)
+
+
+def token_weighted_mean(losses: list[torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+    """Mean loss of a batch from its pipeline micro-batches' mean losses (the schedule splits ``labels`` into
+    ``len(losses)`` chunks along the batch), each weighted by its scored labels; a micro-batch that scores
+    nothing (a NaN mean) counts zero."""
+    counts = torch.stack([(chunk >= 0).sum() for chunk in labels.tensor_split(len(losses))]).to(losses[0].device)
+    means = torch.stack(losses)
+    return torch.where(counts > 0, means * counts, 0).sum() / counts.sum()
+
+
+def window_batch(tokens: torch.Tensor, group: list[tuple[int, int]], seq_len: int) -> tuple[torch.Tensor, ...]:
+    """(inputs, labels) of windows (start, first scored offset); labels not scored are -100."""
+    idx = torch.tensor([s for s, _ in group], device=tokens.device)[:, None] + torch.arange(
+        seq_len + 1, device=tokens.device)
+    data = tokens[idx]
+    inputs, labels = data[:, :-1], data[:, 1:].clone()
+    for row, (_, first) in enumerate(group):
+        labels[row, :first] = -100  # already scored by an earlier window
+    return inputs, labels
+
+
+def rank_batches(tokens: np.ndarray, seq_len: int, stride: int, batch_size: int, rank: int,
+                 world: int) -> Iterator[Batch]:
+    """This data-parallel rank's share of the sliding windows over ``tokens``: ``batch_size`` windows of each
+    global batch of ``world x batch_size``; the last global batch is filled with windows that score nothing,
+    so that every rank runs the same forward passes (their collectives)."""
+    spans = windows(len(tokens), seq_len, stride)
+    per = batch_size * world
+    spans += [(0, seq_len)] * (-len(spans) % per)
+    stream = torch.from_numpy(tokens.astype(np.int64))
+    for first in range(rank * batch_size, len(spans), per):
+        inputs, labels = window_batch(stream, spans[first:first + batch_size], seq_len)
+        yield Batch(inputs, labels, torch.zeros(batch_size, dtype=torch.long))
+
+
 @torch.no_grad()
 def sliding_sums(model: torch.nn.Module, tokens: torch.Tensor, seq_len: int, stride: int, batch_size: int,
                  table: torch.Tensor | None) -> torch.Tensor:
@@ -38,13 +126,7 @@ def sliding_sums(model: torch.nn.Module, tokens: torch.Tensor, seq_len: int, str
     total = torch.zeros(3, dtype=torch.float64, device=device)
     spans = windows(len(tokens), seq_len, stride)
     for i in range(0, len(spans), batch_size):
-        group = spans[i:i + batch_size]
-        idx = torch.tensor([s for s, _ in group], device=device)[:, None] + torch.arange(seq_len + 1,
-                                                                                          device=device)
-        data = tokens[idx]
-        inputs, labels = data[:, :-1], data[:, 1:].clone()
-        for row, (_, first) in enumerate(group):
-            labels[row, :first] = -100  # already scored by an earlier window
+        inputs, labels = window_batch(tokens, spans[i:i + batch_size], seq_len)
         logits = model(inputs)
         logits = logits.float() if logits.element_size() < 4 else logits  # bf16 -> float32; float64 stays
         loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")

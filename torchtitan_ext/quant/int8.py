@@ -6,6 +6,12 @@ Forward: ``s_x = amax|x| / 127``, ``s_w = amax|w| / 127``, ``x_q = round(x / s_x
 exact emulation (int8 products summed in float64, exact below 2^53, i.e. for any fan-in under 5 * 10^11).
 Backward: ``dx = dy @ w``, ``dw = dy^T x`` from the unquantised tensors (a straight-through estimator).
 Applied as a class swap of the blocks' ``nn.Linear`` modules on the meta model (names and parameters kept).
+
+Under tensor parallelism the linears see DTensors: the scales are the absolute maxima of the whole tensors
+(an all-reduce of the shards' maxima), the int8 matmul runs on the local shards, and the result is the
+DTensor that the sharding implies, as torch's own sharded linear would give it: a column-parallel linear
+(weight sharded by rows, input replicated) has its output sharded by columns, a row-parallel one (weight
+and input sharded along the features) a partial sum that the TP plan reduces.
 """
 
 from __future__ import annotations
@@ -13,13 +19,16 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Partial, Shard
 
 QMAX = 127
 
 
-def quantize_per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 values, float32 scale) with ``x ~= values * scale``."""
-    scale = (x.detach().abs().amax().float() / QMAX).clamp_min(1e-12)
+def quantize_per_tensor(x: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 values, float32 scale) with ``x ~= values * scale``; ``amax``: the absolute maximum to scale by
+    (default: ``x``'s own)."""
+    amax = x.detach().abs().amax() if amax is None else amax
+    scale = (amax.float() / QMAX).clamp_min(1e-12)
     return torch.round(x.detach().float() / scale).clamp_(-QMAX, QMAX).to(torch.int8), scale
 
 
@@ -33,19 +42,41 @@ def int8_matmul(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
     return (a.double() @ b_t.double()).to(torch.int32)
 
 
+def _local_int8_linear(x: torch.Tensor, weight: torch.Tensor, x_amax: torch.Tensor | None = None,
+                       w_amax: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight^T`` through int8 (scales from the given absolute maxima, default the tensors' own)."""
+    xq, sx = quantize_per_tensor(x, x_amax)
+    wq, sw = quantize_per_tensor(weight, w_amax)
+    acc = int8_matmul(xq.reshape(-1, x.shape[-1]), wq.t().contiguous())
+    return (acc.float() * (sx * sw)).to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _sharded_int8_linear(x: DTensor, weight: DTensor) -> DTensor:
+    """The int8 forward of a tensor-parallel linear (1-D mesh): global scales, local matmul."""
+    (wp,), (xp,) = weight.placements, x.placements
+    features_sharded = xp.is_shard() and xp.dim % x.ndim == x.ndim - 1
+    if wp.is_shard(0) and xp.is_replicate():
+        out_placement = Shard(x.ndim - 1)  # column-parallel
+    elif wp.is_shard(1) and features_sharded:
+        out_placement = Partial()  # row-parallel
+    else:
+        raise NotImplementedError(f"int8 forward: input {x.placements} with weight {weight.placements}")
+    amax = [t.detach().abs().amax().full_tensor() for t in (x, weight)]  # over every shard
+    out = _local_int8_linear(x.to_local(), weight.to_local(), *amax)
+    return DTensor.from_local(out, weight.device_mesh, [out_placement], run_check=False)
+
+
 class _Int8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        xq, sx = quantize_per_tensor(x)
-        wq, sw = quantize_per_tensor(weight)
-        acc = int8_matmul(xq.reshape(-1, x.shape[-1]), wq.t().contiguous())
-        out = acc.float() * (sx * sw)
-        return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+        if isinstance(weight, DTensor):
+            return _sharded_int8_linear(x, weight)
+        return _local_int8_linear(x, weight)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x, weight = ctx.saved_tensors
+        x, weight = ctx.saved_tensors  # DTensors under TP: these products are then sharded matmuls themselves
         grad = grad.to(x.dtype)
         grad_x = grad @ weight.to(x.dtype)
         grad_w = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])

@@ -20,6 +20,11 @@ dynamic per-tensor scale (their absolute maximum), the middle a fixed range that
 The straight-through estimator passes the gradient unchanged inside the clamp range and zeroes it outside.
 Applied as a module swap (``apply_qat``) on the meta model before TP and FSDP, like quant/float8.py; the
 parameters keep their names, so checkpoints load with or without QAT.
+
+Under tensor parallelism the FFN computes on DTensors (``w1`` sharded by rows, ``w2`` by columns, the input
+replicated; see parallel/tp.py): the absolute maxima and ``rms(w1)`` are reductions over the whole DTensor,
+so every rank quantises with the same scales as one process would, and the output is a partial sum that
+the TP plan reduce-scatters.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from torchtitan_ext.models.ffn import FeedForward
 
@@ -45,16 +51,23 @@ def fake_quant(x: torch.Tensor, limit: torch.Tensor | float, qmax: int = QMAX) -
     return clamped + (q - clamped).detach()
 
 
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A reduction's value over the whole tensor: a DTensor's (all-reduced over its mesh) as a plain tensor."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def fake_quant_absmax(x: torch.Tensor) -> torch.Tensor:
-    """Per-tensor dynamic scale: the limit is the tensor's absolute maximum (nothing is clipped)."""
-    return fake_quant(x, x.detach().abs().amax())
+    """Per-tensor dynamic scale: the limit is the tensor's absolute maximum (nothing is clipped); for a
+    sharded DTensor the maximum over all shards."""
+    return fake_quant(x, _whole(x.detach().abs().amax()))
 
 
 def clamp_limits(w_in: torch.Tensor, clamp: str, clamp_factor: float) -> tuple[torch.Tensor | float, ...]:
     """(limit_in, limit_out) of the middle for ``w_in`` (hidden, fan_in)."""
     if clamp == "static":
         return 4.0, 16.0
-    limit_in = clamp_factor * w_in.detach().float().pow(2).mean().sqrt() * math.sqrt(w_in.shape[-1])
+    mean_square = _whole(w_in.detach().float().pow(2).mean())  # over all shards of a DTensor
+    limit_in = clamp_factor * mean_square.sqrt() * math.sqrt(w_in.shape[-1])
     return limit_in, limit_in * limit_in
 
 

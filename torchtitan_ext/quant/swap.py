@@ -10,14 +10,11 @@ from torchtitan_ext.quant.int8 import apply_int8_forward
 from torchtitan_ext.quant.qat import apply_qat
 
 
-def apply_quant(model: nn.Module, cfg: JobConfig, tp: int) -> list[str]:
+def apply_quant(model: nn.Module, cfg: JobConfig) -> list[str]:
     """Swap the configured modules; returns log lines. Unsupported combinations raise ConfigError."""
     q = cfg.quant
     if q.qat == "none" and not q.int8_forward:
         return []
-    if tp > 1:
-        raise ConfigError("quant.qat / quant.int8_forward: not supported with parallelism.tp > 1 yet (per-tensor "
-                          "scales of TP-sharded weights); use FSDP")
     if cfg.float8.enabled:
         raise ConfigError("quant.qat / quant.int8_forward and float8.enabled are exclusive: pick one")
     lines = []

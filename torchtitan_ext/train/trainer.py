@@ -24,7 +24,9 @@ from torchtitan_ext.data.loader import build_data
 from torchtitan_ext.data.shards import loader_shards, scan_shards
 from torchtitan_ext.distill.student import Distillation
 from torchtitan_ext.eval.bpb import batch_sums, summarize, token_bytes
+from torchtitan_ext.eval.sliding import check_trainer_stride, token_weighted_mean, trainer_batches
 from torchtitan_ext.metrics.logger import MetricsLogger, flops_per_token, peak_flops
+from torchtitan_ext.metrics.profiling import Profiling
 from torchtitan_ext.models.args import ModelArgs
 from torchtitan_ext.models.decoder import Decoder
 from torchtitan_ext.models.flavors import get_flavor
@@ -43,6 +45,7 @@ from torchtitan_ext.parallel.tp import check_tp
 from torchtitan_ext.quant.float8 import check_float8_supported, precompute_float8_scales
 from torchtitan_ext.train.attention_features import AttentionFeatures, pipeline_mask_args
 from torchtitan_ext.train.batch_warmup import BatchWarmup
+from torchtitan_ext.train.determinism import make_deterministic
 from torchtitan_ext.train.ema import EMA
 from torchtitan_ext.train.losses import cross_entropy_loss, fused_head_loss
 from torchtitan_ext.train.lr_schedule import lr_multiplier
@@ -122,9 +125,11 @@ class Trainer:
             raise ConfigError("job.device = 'cuda' but no CUDA device is visible")
         self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if want_cuda \
             else torch.device("cpu")
-        check_float8_supported(cfg.float8, self.device)
+        check_float8_supported(cfg.float8, self.device, cfg.training.fused_linear_ce)
         if (why := check_kernels(cfg.training.kernels, self.device)) is not None:
             raise ConfigError(why)
+        if cfg.training.deterministic:  # before CUDA starts: cuBLAS reads its workspace setting once
+            make_deterministic(cfg.job.seed)
         if want_cuda:
             torch.cuda.set_device(self.device)
         init_distributed(self.device.type, cfg.comm.timeout_seconds)
@@ -146,6 +151,7 @@ class Trainer:
             raise ConfigError("eval.use_ema = true needs an EMA: set ema.decay (for example 0.999)")
 
         self.log(f"parallelism: {dims.describe()}; device {self.device.type}")
+        self.profiling = Profiling(cfg.profiling, cfg.job.dump_folder, self.rank, self.device, self.log)
 
         d = cfg.data
         self.tokenizer, self.loader, self.val_loader = build_data(
@@ -156,6 +162,7 @@ class Trainer:
             dp_world_size=dims.dp, seed=cfg.job.seed, shuffle=d.shuffle, packing=d.packing,
             domains=dict(domains=d.domains, mixing=d.mixing, rate=d.mixing_rate, floor=d.mixing_floor,
                          cap=d.mixing_cap))
+        check_trainer_stride(cfg, self.val_loader)
 
         self.model_args = margs = resolve_model_args(cfg, self.tokenizer.vocab_size)
         self.token_bytes = token_bytes(self.tokenizer, margs.vocab_size)  # for val_bpb
@@ -245,7 +252,8 @@ class Trainer:
             p = cfg.parallelism
             layout += (f"; pp schedule {p.pp_schedule}, {p.pp_virtual_stages} virtual stages, "
                        f"split points {p.pp_split_points}")
-        self.distill = Distillation(cfg, self.loader, margs.vocab_size, dims.pp > 1) if cfg.distill.path else None
+        self.distill = Distillation(cfg, self.loader, margs.vocab_size, self.pp_microbatches if dims.pp > 1 else 1) \
+            if cfg.distill.path else None
         self.attn = AttentionFeatures(cfg, dims, self.model_parts, margs.n_layers,
                                       getattr(self.tokenizer, "eot_id", None), self.accum_steps,
                                       (self.loader, self.val_loader))
@@ -298,9 +306,13 @@ class Trainer:
         return stack
 
     def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Per micro-batch on the last stage; the schedule averages over its micro-batches."""
-        return (self.loss_fn(logits, labels, self.cfg.training.z_loss) + self.attn.output_term(logits)) \
-            / self.accum_steps
+        """Per micro-batch on the last stage; the schedule averages over its micro-batches. With distillation
+        the training labels arrive packed with their soft targets (``Distillation.pack``)."""
+        labels, teacher = self.distill.unpack(labels) if self.distill is not None else (labels, None)
+        loss = self.loss_fn(logits, labels, self.cfg.training.z_loss) + self.attn.output_term(logits)
+        if teacher is not None:
+            loss = self.distill.mix(loss, logits, teacher)
+        return loss / self.accum_steps
 
     def _loss_context(self) -> contextlib.AbstractContextManager:
         return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
@@ -310,6 +322,8 @@ class Trainer:
         """One micro-batch; returns the detached loss. Gradient sync happens on the last micro-batch only.
         ``model_kwargs``: the visibility mask and positions (``AttentionFeatures.model_kwargs``)."""
         if self.pp_schedule is not None:
+            if self.distill is not None:  # the soft targets travel with the labels to the last stage
+                labels = self.distill.pack(labels)
             return self._pipeline_step(inputs, labels, self.pp_schedule.step, model_kwargs) * self.accum_steps
         model = self.model_parts[0]
         sync = contextlib.nullcontext()
@@ -327,9 +341,10 @@ class Trainer:
         return _plain(loss.detach())
 
     def _pipeline_step(self, inputs: torch.Tensor, labels: torch.Tensor, run,
-                       model_kwargs: dict | None = None) -> torch.Tensor:
+                       model_kwargs: dict | None = None, token_weighted: bool = False) -> torch.Tensor:
         """Run the schedule (``step`` or ``eval``); the mean micro-batch loss, known on every pp rank. With a
-        visibility mask the first stage also takes (start, limit, positions), which the stages pass on."""
+        visibility mask the first stage also takes (start, limit, positions), which the stages pass on.
+        ``token_weighted``: micro-batches weighted by their scored labels (sliding-window evaluation)."""
         losses: list[torch.Tensor] | None = [] if self.pp_has_last else None
         target = labels if self.pp_has_last else None
         args = (inputs,) if self.pp_has_first else ()
@@ -337,8 +352,11 @@ class Trainer:
             args += pipeline_mask_args(inputs, model_kwargs)
         with self._autocast():
             run(*args, target=target, losses=losses)
-        loss = torch.stack([_plain(x.detach()) for x in losses]).mean() if losses else \
-            torch.zeros((), device=self.device)
+        if losses and token_weighted:
+            loss = token_weighted_mean([_plain(x.detach()) for x in losses], labels)
+        else:
+            loss = torch.stack([_plain(x.detach()) for x in losses]).mean() if losses else \
+                torch.zeros((), device=self.device)
         dist.all_reduce(loss, group=self.dims.submesh("pp").get_group())  # only one rank holds the last stage
         return loss
 
@@ -420,13 +438,12 @@ class Trainer:
         loaders = self.val_loader if isinstance(self.val_loader, dict) else {"": self.val_loader}
         sums = torch.zeros(len(loaders), 3, dtype=torch.float64, device=self.device)
         for row, loader in enumerate(loaders.values()):
-            loader.reset()  # every evaluation sees the same batches
-            for _ in range(self.cfg.eval.steps):
-                batch = loader.next_batch()
+            for batch in trainer_batches(loader, self.cfg, self.dims.dp_rank, self.dims.dp):  # eval.stride: sliding
                 inputs, labels = batch.inputs.to(self.device), batch.labels.to(self.device)
                 if self.pp_schedule is not None:
                     loss = self._pipeline_step(inputs, labels, self.pp_schedule.eval,
-                                               self.attn.model_kwargs(batch, self.device)) * self.accum_steps
+                                               self.attn.model_kwargs(batch, self.device),
+                                               token_weighted=self.cfg.eval.stride > 0) * self.accum_steps
                 else:
                     with self._autocast(), self._loss_context():
                         logits = self.model_parts[0](inputs, **self.attn.model_kwargs(batch, self.device))
@@ -452,6 +469,7 @@ class Trainer:
         finally:
             self.checkpointer.finish_or_abandon()
             self.metrics.close()
+            self.profiling.finish()
 
     def _train_loop(self) -> None:
         cfg, t = self.cfg, self.cfg.training
@@ -462,6 +480,7 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats()
         while self.step < t.steps:
             self.step += 1
+            self.profiling.step(self.step)
             self.attn.record_lse(self.step % cfg.metrics.log_freq == 0 or self.step == t.steps)
             loss, grad_norm, lr = self.train_step()
             window_steps += 1
@@ -485,14 +504,14 @@ class Trainer:
                           "tokens": self.tokens_through(self.step), "micro_batches": self.accum_steps,
                           "tokens_per_sec_per_device": tps / self.dims.world_size,
                           "lr_spike_factor": self.spike_guard.lr_factor}
-                if self.distill is not None:
-                    values.update(self.distill.metrics())
                 if self.peak_flops:
                     values["mfu"] = self.flops_per_token * tps / self.dims.world_size / self.peak_flops
                 if self.device.type == "cuda":
                     values["memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
                     values["memory_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
                 stage_values = {**moe_metrics, **self.attn.metrics()}
+                if self.distill is not None:  # measured where the loss is: the last pipeline stage
+                    stage_values.update(self.distill.metrics())
                 if self.comm_stats is not None:  # per step: compressed and uncompressed gradient bytes
                     stage_values.update({k: v / window_steps for k, v in self.comm_stats.as_dict().items()})
                     self.comm_stats.reset()

@@ -1,0 +1,382 @@
+"""Memory and communication planner: ``python -m torchtitan_ext.plan --config FILE [--gpus N]
+[--device-memory GiB] [--section.key value ...]``, without a GPU.
+
+The model is built on the meta device from the same config code as the trainer (``resolve_model_args``,
+``ParallelDims``), so parameter shapes and the layout are the job's. Per rank it prints parameters,
+gradients, optimizer state, FSDP's unsharded bf16 copies, saved activations (with the configured activation
+checkpointing and, for comparison, without), the logits / cross-entropy buffers and the bytes each mesh
+dimension moves per step, then whether the peak fits the device memory.
+
+Activations are a closed form of what autograd saves per token in each block (``block_activations``):
+norm inputs and their reciprocal RMS, the projections' inputs, attention's q, k, v, output and log-sum-exp
+(Flash / cuDNN save no score matrix), the FFN's hidden tensors, MoDE's routed copies; tests check it
+against the bytes ``torch.autograd.graph.saved_tensors_hooks`` sees on CPU. ``compiled`` models what
+inductor keeps instead (pointwise results recomputed in the backward pass), also checked on CPU inductor.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+from torchtitan_ext.config.job_config import JobConfig
+from torchtitan_ext.config.loader import ConfigError, parse_args
+from torchtitan_ext.models.args import ModelArgs
+from torchtitan_ext.parallel.dims import ParallelDims, ParallelDimsError
+
+GIB = 2**30
+GRADS = "gradients (fp32, all: at the optimizer step)"
+F32 = 4
+# FSDP keeps about two blocks unsharded at once: the one running and the one prefetched.
+FSDP_UNSHARDED_UNITS = 2
+# Allocator slack of the caching allocator over the live tensors at the peak (fragmentation, workspaces).
+ALLOCATOR_OVERHEAD = 1.05
+
+
+def tokenizer_vocab(cfg: JobConfig) -> int:
+    """The tokenizer's vocabulary without building it (the builtin one is trained on first use)."""
+    name = cfg.data.tokenizer
+    if name == "byte":
+        return 257
+    if name == "builtin":
+        return cfg.data.tokenizer_vocab_size
+    if name == "none":
+        return 0
+    try:
+        import sentencepiece as spm
+
+        return spm.SentencePieceProcessor(model_file=name).get_piece_size()
+    except (OSError, RuntimeError) as e:
+        raise ConfigError(f"data.tokenizer = {name!r}: cannot read the SentencePiece model ({e})") from None
+
+
+def block_activations(args: ModelArgs, layer: int, act: int, norm: str = "fused", compiled: bool = False,
+                      tp: int = 1) -> dict[str, float]:
+    """Bytes autograd saves per token in block ``layer`` (no checkpointing), by source. ``act``:
+    bytes per activation element (2 bf16, 4 fp32). ``norm``: "fused" (CUDA RMSNorm kernel: input + fp32
+    reciprocal RMS) or "composite" (CPU: the fp32 input, reciprocal RMS and normalised fp32 copy).
+    ``compiled``: what inductor's partitioner keeps (measured on CPU inductor): three of the SwiGLU's four
+    hidden tensors (the silu is recomputed); the norms as the fused kernel. Tensor
+    parallelism divides heads and hidden sizes; sequence parallelism divides the d_model-sized ones."""
+    d, hd = args.dim, args.hdim
+    hq, hk = args.n_heads // tp, args.kv_heads // tp
+
+    def rms(width: int, sharded_seq: bool) -> float:
+        per = (act * width + F32) if norm == "fused" else (2 * F32 * width + F32)
+        return per / (tp if sharded_seq else 1)
+    out: dict[str, float] = {}
+    out["attention_norm"] = rms(d, True)
+    out["qkv_input"] = act * d  # the norm's output, all-gathered over the sequence under SP
+    kv = args.computes_kv(layer)
+    q_dims, k_dims = hq * hd, (hk * hd if kv else 0)
+    if args.qk_norm:
+        out["qk_norm"] = (rms(hd, False) * (hq + (hk if kv else 0)))
+    out["sdpa_qkv"] = act * (q_dims + 2 * k_dims)  # a KV-sharing consumer's k, v are its producer's tensors
+    out["sdpa_out_lse"] = act * q_dims + F32 * hq  # also wo's input: the output is laid out (b, s, h, d)
+    out["ffn_norm"] = rms(d, True)
+    if args.is_moe(layer):  # under TP each rank routes its own slice of the sequence
+        out.update({k: v / tp for k, v in mode_activations(args, act, compiled).items()})
+    else:
+        f = args.ffn_hidden // tp
+        out["ffn_input"] = act * d
+        if args.activation == "swiglu":
+            out["ffn_hidden"] = act * f * (3 if compiled else 4)  # w1 x, w3 x, w2's input (+ silu eager)
+        else:
+            out["ffn_hidden"] = act * f * 2  # relu output, its square (w2's input)
+    return out
+
+
+def mode_activations(args: ModelArgs, act: int, compiled: bool) -> dict[str, float]:
+    """Per token of a MoDE layer: router logits and probabilities (fp32), ``top_k`` routed copies with their
+    expert SwiGLU tensors (dropless: capacity = the copies routed), the combine's gated outputs."""
+    k, f, e, d = args.top_k, args.expert_hidden, args.n_experts, args.dim
+    out = {"router": act * d + F32 * e * 3,  # input, logits, softmax (twice: routing and balancing loss)
+           "expert_copies": k * act * d,
+           "expert_hidden": k * act * f * (3 if compiled else 4),
+           "combine": k * (act * d + F32)}  # expert outputs and gates
+    if args.shared_expert:
+        out["shared_expert"] = act * f * (3 if compiled else 4)
+    return out
+
+
+def head_activations(args: ModelArgs, act: int, norm: str, fused_ce: bool, tp: int = 1) -> dict[str, float]:
+    """Per token: final norm, head input and the saved log-softmax (fp32) of the cross-entropy. Under TP the
+    norm is sequence-sharded, the head's input all-gathered and the logits vocabulary-sharded (loss parallel)."""
+    per_norm = (act * args.dim + F32) if norm == "fused" else (2 * F32 * args.dim + F32)
+    out = {"final_norm": per_norm / tp, "head_input": act * args.dim, "embedding_ids": 8}
+    if not fused_ce:
+        out["log_softmax"] = F32 * args.vocab_size / tp
+        if args.logit_softcap > 0:
+            out["softcap"] = act * args.vocab_size / tp
+    return out
+
+
+@dataclass
+class Plan:
+    """Per-rank figures in bytes; ``report`` renders them."""
+    world: int
+    dims: ParallelDims
+    args: ModelArgs
+    memory: dict[str, float] = field(default_factory=dict)
+    activations_no_ac: float = 0.0
+    comm: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak(self) -> float:
+        """The larger of two moments: the start of the backward pass (every activation saved, gradients
+        not yet allocated: the optimizer sets them to None, only the head's exists) and the optimizer step
+        (every gradient, no activations)."""
+        backward = sum(v for k, v in self.memory.items() if k != GRADS)
+        step = sum(self.memory[k] for k in ("parameters (fp32)", "optimizer state", GRADS))
+        return max(backward, step) * ALLOCATOR_OVERHEAD
+
+
+def _param_groups(args: ModelArgs) -> dict[str, int]:
+    """Parameter counts of the real module tree (meta device): blocks' matrices, experts, routers, norms,
+    embedding, head, per layer for the block ones."""
+    from torchtitan_ext.models.decoder import Decoder
+
+    with torch.device("meta"):
+        model = Decoder(args)
+    groups = {"embedding": 0, "head": 0, "norms": 0, "matrices": 0, "experts": 0, "routers": 0}
+    for name, p in model.named_parameters():
+        if name.startswith("tok_embeddings"):
+            groups["embedding"] += p.numel()
+        elif name.startswith("output"):
+            groups["head"] += p.numel()
+        elif p.ndim < 2:
+            groups["norms"] += p.numel()
+        elif ".experts." in name:
+            groups["experts"] += p.numel()
+        elif ".router." in name:
+            groups["routers"] += p.numel()
+        else:
+            groups["matrices"] += p.numel()
+    return groups
+
+
+def plan(cfg: JobConfig, world: int) -> Plan:
+    """The per-rank memory and per-step communication of ``cfg`` on ``world`` GPUs."""
+    from torchtitan_ext.train.trainer import resolve_model_args
+
+    try:
+        dims = ParallelDims.from_config(cfg.parallelism, world)
+    except ParallelDimsError as e:
+        raise ConfigError(str(e)) from None
+    args = resolve_model_args(cfg, tokenizer_vocab(cfg))
+    t = cfg.training
+    if args.n_heads % dims.tp or args.kv_heads % dims.tp:
+        raise ConfigError(f"model heads {args.n_heads} / kv heads {args.kv_heads} not divisible by "
+                          f"parallelism.tp = {dims.tp}")
+    if args.n_experts and args.n_experts % dims.ep:
+        raise ConfigError(f"model.n_experts = {args.n_experts} not divisible by parallelism.ep = {dims.ep}")
+    if args.n_layers < dims.pp * cfg.parallelism.pp_virtual_stages:
+        raise ConfigError(f"{args.n_layers} layers cannot fill {dims.pp} pipeline stages")
+    p = Plan(world, dims, args)
+    g = _param_groups(args)
+    fsdp = dims.fsdp_enabled
+    shard = dims.dp_shard if fsdp else 1
+    mp_bf16 = t.mixed_precision_param == "bfloat16"
+    act = 2 if mp_bf16 else F32
+
+    # Parameters on this rank: the heaviest pipeline stage, TP-sharded matrices, FSDP shards.
+    layers = math.ceil(args.n_layers / dims.pp)
+    frac_layers = layers / args.n_layers
+    ends = max(g["embedding"], g["head"]) if dims.pp > 1 else g["embedding"] + g["head"]
+    block = (g["matrices"] + g["experts"] + g["routers"]) * frac_layers
+    local = (block + ends) / dims.tp + g["norms"] * frac_layers
+    local /= shard
+    muon = cfg.optimizer.name == "muon"
+    p.memory["parameters (fp32)"] = F32 * local
+    p.memory[GRADS] = F32 * local
+    head_grad = g["head"] or (g["embedding"] if args.tie_embeddings else 0)
+    p.memory["head gradient (at the backward peak)"] = F32 * head_grad / dims.tp / shard
+    muon_part = (g["matrices"] + g["experts"]) * frac_layers / dims.tp / shard if muon else 0.0
+    p.memory["optimizer state"] = F32 * (2 * (local - muon_part) + muon_part)  # AdamW 2 moments, Muon 1
+
+    # Unsharded bf16 parameters while computing: FSDP gathers ~2 units at once (a unit: one block's dense
+    # matrices, TP-sharded, and this rank's experts, EP-sharded); without FSDP the trainer runs bf16
+    # autocast, whose weight casts are saved for the backward pass (the whole local model).
+    unit = (g["matrices"] + g["routers"] + g["experts"] / dims.ep) / args.n_layers / dims.tp
+    end_unit = (max(g["embedding"], g["head"]) if ends else 0) / dims.tp
+    if fsdp:  # the running unit and the prefetched one (the embedding or head is one unit of its own)
+        red = F32 if t.mixed_precision_reduce == "float32" else 2
+        p.memory["unsharded params + grads (bf16 / reduce dtype)"] = (
+            (FSDP_UNSHARDED_UNITS - 1) * unit + max(unit, end_unit)) * act + max(unit, end_unit) * red
+    elif mp_bf16:
+        # the embedding lookup is not autocast; float8 linears cast their fp32 weights to float8 instead
+        head = g["head"] or (g["embedding"] if args.tie_embeddings else 0)
+        cast = block - (g["matrices"] * frac_layers if cfg.float8.enabled else 0) + head
+        p.memory["autocast bf16 weight copies"] = 2 * cast / dims.tp
+
+    # Activations of one micro-batch on this rank.
+    tokens = t.local_batch_size * t.seq_len
+    compiled = t.compile
+    per_layer = [sum(block_activations(args, i, act, "fused", compiled, dims.tp).values())
+                 for i in range(args.n_layers)]
+    per_layer_stage = sorted(per_layer, reverse=True)[:layers]
+    full = sum(per_layer_stage) * tokens
+    if cfg.float8.enabled:  # float8 linears save their fp8 inputs (1 byte) and fp8 weights, not bf16 inputs
+        f8_saving = sum(float8_input_saving(args, i, dims.tp) for i in range(layers)) * tokens
+        full -= f8_saving
+        p.memory["float8 weight copies"] = (g["matrices"] * frac_layers) / dims.tp * 1
+    ac = cfg.activation_checkpoint
+    block_input = act * args.dim / dims.tp * tokens
+    recompute = max(per_layer_stage) * tokens  # a recomputed block's activations, during its backward only
+    if ac.mode == "full":
+        acts = layers * block_input
+    elif ac.mode == "selective" and ac.selective_every > 0:
+        n_ckpt = layers // ac.selective_every
+        acts = full - n_ckpt * (sum(per_layer_stage) / layers * tokens - block_input)
+    elif ac.mode == "selective":  # op-level: matmul and attention outputs kept, pointwise recomputed
+        acts = sum(selective_activations(args, i, act, dims.tp) for i in range(layers)) * tokens
+    else:
+        acts, recompute = full, 0.0
+    in_flight, micro = 1.0, 1
+    if dims.pp > 1:  # the first rank holds its warm-up micro-batches, each through one (virtual) stage
+        v = cfg.parallelism.pp_virtual_stages
+        micro = cfg.parallelism.pp_microbatches or dims.pp * v
+        held = min(micro * v, 2 * (dims.pp - 1) + (v - 1) * dims.pp + 1 if v > 1 else dims.pp)
+        in_flight = held / (micro * v)
+        p.notes.append(f"pipeline: {micro} micro-batches, {held} (micro-batch, stage) activations held on the "
+                       "first rank")
+    p.memory["activations"] = acts * in_flight + recompute / micro
+    p.activations_no_ac = full * in_flight
+    head = sum(head_activations(args, act, "fused", t.fused_linear_ce, dims.tp).values()) * tokens
+    vocab_local = args.vocab_size / dims.tp
+    if t.fused_linear_ce:
+        loss_peak = min(t.fused_linear_ce_chunk, tokens) * vocab_local * (2 * F32 + act)
+    elif compiled:  # inductor saves the head-dtype logits and the LSE; one fused kernel writes their gradient
+        head += ((act - F32) * vocab_local + F32) * tokens
+        loss_peak = tokens * vocab_local * act
+    else:  # eager backward of the cross-entropy: gradient of the fp32 logits, then its cast to the head dtype
+        loss_peak = tokens * vocab_local * (F32 + (act if act != F32 else 0))
+    p.memory["logits / cross-entropy"] = (head + loss_peak) / micro  # one micro-batch at a time
+    p.comm = communication(cfg, dims, args, g, act, tokens)
+    return p
+
+
+def float8_input_saving(args: ModelArgs, layer: int, tp: int) -> float:
+    """Per token: a float8 linear saves its input in 1 byte instead of 2 (attention and dense FFN linears;
+    MoDE experts stay bf16)."""
+    d, q = args.dim, args.n_heads * args.hdim // tp
+    saving = d + q  # qkv input, wo input
+    if not args.is_moe(layer):
+        saving += d + args.ffn_hidden // tp  # w1/w3 input, w2 input
+    return saving
+
+
+def selective_activations(args: ModelArgs, layer: int, act: int, tp: int) -> float:
+    """Op-level selective AC per token: outputs of the matmuls and of attention (+ LSE), and the block input."""
+    hd, hq, hk = args.hdim, args.n_heads // tp, args.kv_heads // tp
+    kv = 2 * hk * hd if args.computes_kv(layer) else 0
+    out = act * args.dim / tp + act * (hq * hd + kv) + act * hq * hd + F32 * hq + act * args.dim
+    if args.is_moe(layer):
+        out += args.top_k * act * (3 * args.expert_hidden + args.dim) + F32 * args.n_experts
+    else:
+        out += act * (args.ffn_hidden // tp) * (2 if args.activation == "swiglu" else 1) + act * args.dim
+    return out
+
+
+def communication(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, g: dict[str, int], act: int,
+                  tokens: int) -> dict[str, float]:
+    """Bytes each rank sends per optimizer step on each mesh dimension (ring collectives: (n-1)/n of the
+    buffer per all-gather / reduce-scatter, twice that per all-reduce)."""
+    t = cfg.training
+    per_micro = max(1, (t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dims.dp)
+                    // (t.local_batch_size * dims.dp))
+    layers = math.ceil(args.n_layers / dims.pp)
+    frac = layers / args.n_layers
+    stage = ((g["matrices"] + g["routers"]) * frac + max(g["embedding"], g["head"])
+             * (1 if dims.pp > 1 else 2)) / dims.tp + g["norms"] * frac
+    experts = g["experts"] * frac / dims.tp / dims.ep  # FSDP-sharded over dp_shard / ep only
+    red = F32 if t.mixed_precision_reduce == "float32" else 2
+    squinch = cfg.comm.gradient_compression == "squinch"
+    ratio = (6 / 32 if red == F32 else 6 / 16) if squinch else 1.0
+    out: dict[str, float] = {}
+    if dims.fsdp_enabled and dims.dp_shard > 1:
+        ring = (dims.dp_shard - 1) / dims.dp_shard
+        e_ring = (dims.dp_shard // dims.ep - 1) / (dims.dp_shard // dims.ep)
+        gathered = stage * ring + experts * e_ring
+        out["dp_shard all-gather (fwd + bwd, per micro-batch)"] = 2 * per_micro * gathered * act
+        out["dp_shard reduce-scatter"] = gathered * red * ratio
+    if dims.dp_replicate > 1:
+        ring = (dims.dp_replicate - 1) / dims.dp_replicate
+        out["dp_replicate all-reduce"] = 2 * (stage + experts * dims.ep) / dims.dp_shard * red * ring * ratio
+    if dims.ddp_enabled:
+        ring = (dims.dp - 1) / dims.dp
+        out["dp all-reduce (DDP)"] = 2 * stage * red * ring * ratio
+    if dims.tp > 1:  # per layer: all-gather + reduce-scatter around attention and FFN, forward and backward
+        ring = (dims.tp - 1) / dims.tp
+        out["tp all-gather / reduce-scatter of activations"] = per_micro * layers * 8 * tokens * args.dim * act * ring
+    if dims.pp > 1:
+        out["pp send / recv"] = per_micro * 2 * tokens * args.dim * act
+    if dims.ep > 1:
+        ring = (dims.ep - 1) / dims.ep
+        moe_layers = sum(args.is_moe(i) for i in range(args.n_layers)) * frac
+        out["ep all-to-all"] = per_micro * moe_layers * 4 * tokens * args.top_k * args.dim * act * ring / dims.tp
+    return out
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:8.2f} GiB" if x >= GIB / 10 else f"{x / 2**20:8.2f} MiB"
+
+
+def report(p: Plan, device_gib: float, cfg: JobConfig) -> list[str]:
+    a = p.args
+    lines = [f"plan: {cfg.model.flavor}, {p.dims.describe()}",
+             f"model: {a.n_layers} layers, d {a.dim}, vocab {a.vocab_size}"
+             + (f", {a.n_experts} experts top-{a.top_k} (ep {p.dims.ep})" if a.n_experts else "")
+             + f"; micro-batch {cfg.training.local_batch_size} x {cfg.training.seq_len}",
+             "memory per rank:"]
+    lines += [f"  {k:<50} {_gib(v)}" for k, v in p.memory.items()]
+    lines.append(f"  {'(activations without checkpointing)':<50} {_gib(p.activations_no_ac)}")
+    lines.append(f"  {'peak (x' + str(ALLOCATOR_OVERHEAD) + ' allocator slack)':<50} {_gib(p.peak)}")
+    lines.append("communication per step per rank:")
+    lines += [f"  {k:<50} {_gib(v)}" for k, v in p.comm.items()] or ["  none (one rank)"]
+    lines += [f"note: {n}" for n in p.notes]
+    verdict = "fits" if p.peak <= device_gib * GIB else "does not fit"
+    lines.append(f"{verdict} on {device_gib:g} GiB ({p.peak / GIB:.2f} GiB predicted peak per rank)")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        gpus, device_gib = None, 80.0
+        for flag in ("--gpus", "--device-memory"):
+            if flag in argv:
+                i = argv.index(flag)
+                if i + 1 >= len(argv):
+                    raise ConfigError(f"argument {flag}: missing value")
+                raw = argv.pop(i + 1)
+                argv.pop(i)
+                try:
+                    value = int(raw) if flag == "--gpus" else float(raw)
+                except ValueError:
+                    raise ConfigError(f"argument {flag}: expected a number, got {raw!r}") from None
+                if not math.isfinite(value) or value <= 0:
+                    raise ConfigError(f"argument {flag}: expected a finite number > 0, got {raw!r}")
+                if flag == "--gpus":
+                    gpus = value
+                else:
+                    device_gib = value
+        cfg = parse_args(argv)
+        par = cfg.parallelism
+        world = gpus or par.dp_replicate * (par.dp_shard if par.dp_shard > 0 else par.ep) * par.tp * par.pp
+        p = plan(cfg, world)
+        if gpus is None and par.dp_shard == -1:
+            p.notes.append(f"no --gpus: planned for {world} GPUs (parallelism.dp_shard = -1 takes the rest)")
+        print("\n".join(report(p, device_gib, cfg)))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
