@@ -107,7 +107,8 @@ TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.ffn_hidden", "128
 @pytest.mark.slow
 def test_trainer_triton_kernels_same_losses(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    short = [*TINY, "--training.seq_len", "16", "--training.steps", "5"]  # the interpreter runs one program per row: keep rows few
+    # The interpreter runs one program per row: keep the rows few.
+    short = [*TINY, "--training.seq_len", "16", "--training.steps", "5"]
     run_trainer(tmp_path / "torch", 2, *short, "--training.local_batch_size", "2")
     run_trainer(tmp_path / "ac_compile", 2, *short, "--training.local_batch_size", "2", "--training.kernels",
                 "triton", "--activation_checkpoint.mode", "full", "--training.compile", "true")
