@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 from dist_utils import run_distributed
+from test_float8 import _train  # AdamW over accumulated micro-batches, loss per step
 from trainer_utils import read_metrics, run_trainer
 
 from torchtitan_ext.config.job_config import Float8Section
@@ -136,23 +137,6 @@ def test_float8_head_under_tp_with_loss_parallel_matches_one_process():
         torch.testing.assert_close(got_grad, grad, rtol=1e-5, atol=1e-7)
 
 
-def _train(model: nn.Module, batches: list[torch.Tensor], steps: int = 3) -> torch.Tensor:
-    """AdamW steps over ``batches`` as accumulated micro-batches; the loss of each step."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(steps):
-        total = torch.zeros(())
-        for tokens in batches:
-            logits = model(tokens[:, :-1])
-            loss = nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()) / len(batches)
-            loss.backward()
-            total += loss.detach()
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    return torch.stack(losses)
-
-
 def _fsdp_head_worker(rank: int, world: int) -> torch.Tensor:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -167,7 +151,7 @@ def _fsdp_head_worker(rank: int, world: int) -> torch.Tensor:
         model.layers = blocks
         apply_fsdp(model, mesh, torch.float32, torch.float32)
 
-    losses = _train(_float8_model(parallelize), [_tokens()[2 * rank:2 * rank + 2]])
+    losses = _train(_float8_model(parallelize), [_tokens()[2 * rank:2 * rank + 2]], steps=3)
     dist.all_reduce(losses, op=dist.ReduceOp.AVG)
     return losses
 
@@ -178,7 +162,7 @@ def test_compiled_float8_head_under_fsdp_trains_like_one_process():
     """The compiled float8 head inside FSDP2's root unit: 3 AdamW steps on 2 ranks equal one eager process
     taking each rank's half-batch as a micro-batch."""
     tokens = _tokens()
-    ref = _train(_float8_model(), [tokens[:2], tokens[2:]])
+    ref = _train(_float8_model(), [tokens[:2], tokens[2:]], steps=3)
     for got in run_distributed(_fsdp_head_worker, 2):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
     assert ref[-1] < ref[0]
