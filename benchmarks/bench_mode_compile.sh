@@ -7,7 +7,10 @@
 # graphs around eager experts (the EP path's compilation forced on), and eager.
 #
 # Usage, from the repository root on a GPU machine: benchmarks/bench_mode_compile.sh [OUT_DIR [OVERRIDES...]]
-# (overrides go to every run, after the model's settings)
+# (overrides go to every run, after the model's settings). ONLY="name ..." picks runs: whole_block,
+# around_experts, eager, whole_block_ce (fused linear cross-entropy), whole_block_triton (Triton kernels),
+# and profile_whole_block / profile_around_experts (benchmarks/profile_step.py: 5 untimed + 10 timed steps,
+# then the 15 kernels with the most GPU time of 2 profiled steps). Default: the first three.
 set -uo pipefail
 OUT="${1:-${OUT:-/tmp/bench_mode_compile}}"
 shift || true
@@ -28,13 +31,37 @@ import sys
 import torchtitan_ext.parallel.compile as compile_module
 import torchtitan_ext.parallel.parallelize as parallelize
 from torchtitan_ext.train.__main__ import main
-parallelize.apply_compile = lambda model, experts_in_graph, tensor_parallel: compile_module.apply_compile(
-    model, experts_in_graph=False, tensor_parallel=tensor_parallel)
+parallelize.apply_compile = lambda model, experts_in_graph, **kwargs: compile_module.apply_compile(
+    model, experts_in_graph=False, **kwargs)
 sys.exit(main(sys.argv[1:]))'
+
+# profile_step.py, with the same patch when its first argument is "around_experts".
+PROFILE='
+import runpy
+import sys
+import torchtitan_ext.parallel.compile as compile_module
+import torchtitan_ext.parallel.parallelize as parallelize
+if sys.argv[1] == "around_experts":
+    parallelize.apply_compile = lambda model, experts_in_graph, **kwargs: compile_module.apply_compile(
+        model, experts_in_graph=False, **kwargs)
+sys.argv[0] = "benchmarks/profile_step.py"
+runpy.run_path("benchmarks/profile_step.py", run_name="__main__")'
+ONLY="${ONLY:-whole_block around_experts eager}"
+wanted() { [[ " $ONLY " == *" $1 "* ]]; }
 
 runs=()
 source benchmarks/run_job.sh
-run_job whole_block 240 "$PY" -m torchtitan_ext.train "${ARGS[@]}" --training.compile true
-run_job around_experts 240 "$PY" -c "$AROUND_EXPERTS" "${ARGS[@]}" --training.compile true
-run_job eager 240 "$PY" -m torchtitan_ext.train "${ARGS[@]}" --training.compile false
-"$PY" benchmarks/summarize.py "${runs[@]}"
+wanted whole_block && run_job whole_block 240 "$PY" -m torchtitan_ext.train "${ARGS[@]}" --training.compile true
+wanted around_experts && run_job around_experts 240 "$PY" -c "$AROUND_EXPERTS" "${ARGS[@]}" --training.compile true
+wanted eager && run_job eager 240 "$PY" -m torchtitan_ext.train "${ARGS[@]}" --training.compile false
+wanted whole_block_ce && run_job whole_block_ce 240 "$PY" -m torchtitan_ext.train "${ARGS[@]}" \
+    --training.compile true --training.fused_linear_ce true --training.fused_linear_ce_chunk 4096
+wanted whole_block_triton && run_job whole_block_triton 240 "$PY" -m torchtitan_ext.train "${ARGS[@]}" \
+    --training.compile true --training.kernels triton
+[ ${#runs[@]} -gt 0 ] && "$PY" benchmarks/summarize.py "${runs[@]}"
+for way in whole_block around_experts; do
+    if wanted "profile_$way"; then
+        timeout 240 "$PY" -c "$PROFILE" "$way" "${ARGS[@]}" --training.compile true --training.steps 15 \
+            --job.dump_folder "$OUT/profile_$way" 2>&1 | grep -E '^\{|^top kernels|^  ' | cut -c1-150
+    fi
+done
