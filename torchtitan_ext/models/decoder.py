@@ -130,21 +130,24 @@ class Block(nn.Module):
     def _scaled(self, i: int, branch: torch.Tensor) -> torch.Tensor:
         return branch if self.residual_scale is None else branch * self.residual_scale[i].to(branch.dtype)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask=None,
-                kv: tuple[torch.Tensor, torch.Tensor] | None = None):
-        """h, or (h, (k, v)) with KV sharing; ``mask`` and ``kv`` as in ``Attention.forward``."""
+    def attend(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask=None,
+               kv: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """The block's first half: (h = x + attention(norm(x)), ffn_norm(h), the group's (k, v) or None)."""
         attn = self.attention(self.attention_norm(x), rope, mask, kv)
         if self.shares_kv:
             attn, kv = attn
-        if self.residual_scale is not None:
-            h = x + self._scaled(0, attn)
-            h = h + self._scaled(1, self.feed_forward(self.ffn_norm(h)))
-        elif self.fused_kernels:
+        if self.fused_kernels and self.residual_scale is None:
             h, normed = add_rms_norm(x, attn, self.ffn_norm)
-            h = h + self.feed_forward(normed)
         else:
-            h = x + attn
-            h = h + self.feed_forward(self.ffn_norm(h))
+            h = x + self._scaled(0, attn)
+            normed = self.ffn_norm(h)
+        return h, normed, kv
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask=None,
+                kv: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """h, or (h, (k, v)) with KV sharing; ``mask`` and ``kv`` as in ``Attention.forward``."""
+        h, normed, kv = self.attend(x, rope, mask, kv)
+        h = h + self._scaled(1, self.feed_forward(normed))
         return (h, kv) if self.shares_kv else h
 
 

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from torchtitan_ext.models.mode import MoDE, swiglu
 
@@ -37,27 +34,20 @@ def apply_compile(model: nn.Module, experts_in_graph: bool, tensor_parallel: boo
 
 
 def _compile_around_experts(block: nn.Module) -> None:
-    """Compile a MoDE block's norms, attention, routing and combine, and the experts' SwiGLU between their
-    grouped GEMMs; the grouped GEMMs and whatever expert parallelism wraps around them (all-to-all, host-read
-    split sizes) stay eager.
+    """Compile a MoDE block's first half (norms, attention, residual add), its routing and its combine, and
+    the experts' SwiGLU between their grouped GEMMs; the grouped GEMMs and whatever expert parallelism wraps
+    around them (all-to-all, host-read split sizes) stay eager.
 
     The experts cannot sit inside a graph under expert parallelism (the all-to-all's split sizes are read on
     the host), when they or their MoDE layer are an FSDP unit of their own (FSDP's hooks run eagerly), or on
     CPU (the grouped-GEMM fallback loops over groups whose sizes are data). Their row count changes every
-    step, so their activation is compiled for dynamic shapes. ``Module.compile`` and compiled methods keep
-    every parameter's name."""
-    for norm in (block.attention_norm, block.ffn_norm):  # torch.compile skips nn.RMSNorm's own forward
-        norm.forward = functools.partial(_compiled_rms_norm, norm)
-    block.attention.compile(fullgraph=True)
+    step, so their activation is compiled for dynamic shapes. Compiled methods keep every parameter's name;
+    few, large graphs keep the host ahead of the GPU (measured in benchmarks/RESULTS.md)."""
+    block.attend = torch.compile(block.attend, fullgraph=True)
     moe = block.feed_forward
     moe.dispatch_tokens = torch.compile(moe.dispatch_tokens, fullgraph=True)
     moe.experts.activation = torch.compile(swiglu, fullgraph=True, dynamic=True)
     moe.combine_outputs = torch.compile(moe.combine_outputs, fullgraph=True)
-
-
-@torch.compile(fullgraph=True)
-def _compiled_rms_norm(norm: nn.RMSNorm, x: torch.Tensor) -> torch.Tensor:
-    return F.rms_norm(x, norm.normalized_shape, norm.weight, norm.eps)
 
 
 def clean_fqn(name: str) -> str:
