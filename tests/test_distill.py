@@ -206,6 +206,25 @@ def test_two_process_student_equals_one_process(distilled, tmp_path, layout):
             assert soft_two[r["step"]] == pytest.approx(r["distill/soft_ce"], rel=2e-4, abs=2e-4), r["step"]
 
 
+@pytest.mark.slow
+def test_mode_student_under_expert_parallelism_equals_ep1(distilled, tmp_path):
+    """A MoDE student distilled from the dense teacher's sidecars: experts sharded over 2 ranks (all-to-all
+    dispatch) gives the losses of the same 2 data-parallel ranks with every expert local. (The Switch
+    balancing loss is per rank, so EP is compared at the same data-parallel degree.)"""
+    root, _, _ = distilled
+    mode = ["--model.n_experts", "4", "--model.top_k", "2", "--model.moe_hidden", "32", "--training.steps", "8",
+            "--training.local_batch_size", "2", "--job.seed", "1", "--distill.path", str(root / "side"),
+            "--distill.alpha", "0.9"]
+    for ep in ("1", "2"):
+        run_trainer(tmp_path / f"ep{ep}", 2, *_job(root), *mode, "--parallelism.ep", ep)
+    ep1, ep2 = read_metrics(tmp_path / "ep1"), read_metrics(tmp_path / "ep2")
+    assert [r["step"] for r in ep2] == list(range(1, 9))
+    for r1, r2 in zip(ep1, ep2, strict=True):
+        assert r2["loss"] == pytest.approx(r1["loss"], rel=1e-5), r1["step"]
+        assert r2["distill/soft_ce"] == pytest.approx(r1["distill/soft_ce"], rel=1e-5), r1["step"]
+    assert ep2[-1]["distill/soft_ce"] < ep2[0]["distill/soft_ce"]
+
+
 def test_teacher_pass_resumes_to_the_same_bytes(distilled, tmp_path):
     root, _, _ = distilled
     shard = root / "data" / "train" / "train_1.bin"
