@@ -25,25 +25,20 @@ ARGS=(--config train_configs/mode_debug.toml --parallelism.ep 1 --parallelism.dp
       --model.dim 2048 --model.n_heads 16 --model.n_kv_heads 8 --model.n_layers 4 --model.n_experts 16
       --model.top_k 2 --model.moe_hidden 1408 --model.vocab_size 32000 --training.seq_len 2048
       --training.local_batch_size 8 --training.steps 30 --metrics.log_freq 5 "$@")
-# The trainer's entry point with apply_compile told that the experts cannot join the graph.
-AROUND_EXPERTS='
-import sys
+# apply_compile told that the experts cannot join the graph (the EP path's compilation, on one GPU).
+FORCE_AROUND='
 import torchtitan_ext.parallel.compile as compile_module
 import torchtitan_ext.parallel.parallelize as parallelize
-from torchtitan_ext.train.__main__ import main
 parallelize.apply_compile = lambda model, experts_in_graph, **kwargs: compile_module.apply_compile(
-    model, experts_in_graph=False, **kwargs)
+    model, experts_in_graph=False, **kwargs)'
+AROUND_EXPERTS="$FORCE_AROUND"'
+import sys
+from torchtitan_ext.train.__main__ import main
 sys.exit(main(sys.argv[1:]))'
-
-# profile_step.py, with the same patch when its first argument is "around_experts".
-PROFILE='
+# benchmarks/profile_step.py, preceded by FORCE_AROUND for the "around_experts" profile.
+RUN_PROFILE='
 import runpy
 import sys
-import torchtitan_ext.parallel.compile as compile_module
-import torchtitan_ext.parallel.parallelize as parallelize
-if sys.argv[1] == "around_experts":
-    parallelize.apply_compile = lambda model, experts_in_graph, **kwargs: compile_module.apply_compile(
-        model, experts_in_graph=False, **kwargs)
 sys.argv[0] = "benchmarks/profile_step.py"
 runpy.run_path("benchmarks/profile_step.py", run_name="__main__")'
 ONLY="${ONLY:-whole_block around_experts eager}"
@@ -61,7 +56,8 @@ wanted whole_block_triton && run_job whole_block_triton 240 "$PY" -m torchtitan_
 [ ${#runs[@]} -gt 0 ] && "$PY" benchmarks/summarize.py "${runs[@]}"
 for way in whole_block around_experts; do
     if wanted "profile_$way"; then
-        timeout 240 "$PY" -c "$PROFILE" "$way" "${ARGS[@]}" --training.compile true --training.steps 15 \
+        code="$RUN_PROFILE"; [ "$way" = around_experts ] && code="$FORCE_AROUND$RUN_PROFILE"
+        timeout 240 "$PY" -c "$code" "$way" "${ARGS[@]}" --training.compile true --training.steps 15 \
             --job.dump_folder "$OUT/profile_$way" 2>&1 | grep -E '^\{|^top kernels|^  ' | cut -c1-150
     fi
 done
