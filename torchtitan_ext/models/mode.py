@@ -117,17 +117,11 @@ class ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
-
-
 class GroupedExperts(nn.Module):
     """E SwiGLU experts in stacked weights; input rows sorted by expert, ``counts[e]`` rows each.
 
     ``grad_scale`` multiplies the weights' gradients: expert parallelism sets it to 1 / ep, because an
-    expert's gradient then sums the losses of all its EP peers' tokens, which data parallelism averages.
-    ``activation`` is ``swiglu``, or its compiled form when the experts run eagerly between compiled graphs
-    (``parallel/compile.py``)."""
+    expert's gradient then sums the losses of all its EP peers' tokens, which data parallelism averages."""
 
     grad_scale = 1.0
 
@@ -136,7 +130,6 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
-        self.activation = swiglu
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         ends = counts.cumsum(0)
@@ -144,7 +137,7 @@ class GroupedExperts(nn.Module):
         w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
         if self.grad_scale != 1.0:
             w1, w2, w3 = (ScaleGrad.apply(w, self.grad_scale) for w in (w1, w2, w3))
-        h = self.activation(grouped_mm(x, w1, ends), grouped_mm(x, w3, ends))
+        h = F.silu(grouped_mm(x, w1, ends)) * grouped_mm(x, w3, ends)
         return grouped_mm(h, w2, ends)
 
 

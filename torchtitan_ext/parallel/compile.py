@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from torchtitan_ext.models.mode import MoDE, swiglu
+from torchtitan_ext.models.mode import MoDE
 
 
 def apply_compile(model: nn.Module, experts_in_graph: bool, tensor_parallel: bool, compile_head: bool = False
@@ -34,19 +34,19 @@ def apply_compile(model: nn.Module, experts_in_graph: bool, tensor_parallel: boo
 
 
 def _compile_around_experts(block: nn.Module) -> None:
-    """Compile a MoDE block's first half (norms, attention, residual add), its routing and its combine, and
-    the experts' SwiGLU between their grouped GEMMs; the grouped GEMMs and whatever expert parallelism wraps
-    around them (all-to-all, host-read split sizes) stay eager.
+    """Compile a MoDE block's first half (norms, attention, residual add), its routing and its combine; the
+    experts (grouped GEMMs, SwiGLU) and whatever expert parallelism wraps around them (all-to-all, host-read
+    split sizes) stay eager.
 
     The experts cannot sit inside a graph under expert parallelism (the all-to-all's split sizes are read on
     the host), when they or their MoDE layer are an FSDP unit of their own (FSDP's hooks run eagerly), or on
-    CPU (the grouped-GEMM fallback loops over groups whose sizes are data). Their row count changes every
-    step, so their activation is compiled for dynamic shapes. Compiled methods keep every parameter's name;
-    few, large graphs keep the host ahead of the GPU (measured in benchmarks/RESULTS.md)."""
+    CPU (the grouped-GEMM fallback loops over groups whose sizes are data). Their SwiGLU is not compiled
+    either: its row count differs by rank and step, and a rank-specific recompilation between the two
+    all-to-alls was under suspicion in a hang seen under CPU load (benchmarks/RESULTS.md). Compiled methods
+    keep every parameter's name; few, large graphs keep the host ahead of the GPU."""
     block.attend = torch.compile(block.attend, fullgraph=True)
     moe = block.feed_forward
     moe.dispatch_tokens = torch.compile(moe.dispatch_tokens, fullgraph=True)
-    moe.experts.activation = torch.compile(swiglu, fullgraph=True, dynamic=True)
     moe.combine_outputs = torch.compile(moe.combine_outputs, fullgraph=True)
 
 
