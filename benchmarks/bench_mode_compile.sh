@@ -9,8 +9,10 @@
 # Usage, from the repository root on a GPU machine: benchmarks/bench_mode_compile.sh [OUT_DIR [OVERRIDES...]]
 # (overrides go to every run, after the model's settings). ONLY="name ..." picks runs: whole_block,
 # around_experts, eager, whole_block_ce (fused linear cross-entropy), whole_block_triton (Triton kernels),
-# and profile_whole_block / profile_around_experts (benchmarks/profile_step.py: 5 untimed + 10 timed steps,
-# then the 15 kernels with the most GPU time of 2 profiled steps). Default: the first three.
+# whole_block_cpp (inductor's C++ wrapper), whole_block_cudagraphs (mode "reduce-overhead"),
+# whole_block_autotune (TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1), and profile_whole_block / profile_around_experts (benchmarks/profile_step.py: 5 untimed + 10 timed steps,
+# then the 15 kernels with the most GPU time of 2 profiled steps; with TRACE_GAPS=1 also where the GPU
+# waited for the host, and with SYNC_DEBUG=1 every host sync while a step is queued). Default: the first three.
 set -uo pipefail
 OUT="${1:-${OUT:-/tmp/bench_mode_compile}}"
 shift || true
@@ -35,6 +37,13 @@ AROUND_EXPERTS="$FORCE_AROUND"'
 import sys
 from torchtitan_ext.train.__main__ import main
 sys.exit(main(sys.argv[1:]))'
+CUDAGRAPHS='
+import sys
+import torch
+compile_fn = torch.compile
+torch.compile = lambda *args, **kwargs: compile_fn(*args, **{**kwargs, "mode": "reduce-overhead"})
+from torchtitan_ext.train.__main__ import main
+sys.exit(main(sys.argv[1:]))'
 # benchmarks/profile_step.py, preceded by FORCE_AROUND for the "around_experts" profile.
 RUN_PROFILE='
 import runpy
@@ -51,6 +60,14 @@ wanted around_experts && run_job around_experts 240 "$PY" -c "$AROUND_EXPERTS" "
 wanted eager && run_job eager 240 "$PY" -m torchtitan_ext.train "${ARGS[@]}" --training.compile false
 wanted whole_block_ce && run_job whole_block_ce 240 "$PY" -m torchtitan_ext.train "${ARGS[@]}" \
     --training.compile true --training.fused_linear_ce true --training.fused_linear_ce_chunk 4096
+# Host launch overhead: inductor's C++ wrapper, and CUDA graphs (torch.compile mode "reduce-overhead");
+# GEMM choice: inductor's autotuned GEMM templates against cuBLAS.
+wanted whole_block_cpp && TORCHINDUCTOR_CPP_WRAPPER=1 run_job whole_block_cpp 300 "$PY" -m torchtitan_ext.train \
+    "${ARGS[@]}" --training.compile true
+wanted whole_block_autotune && TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1 run_job whole_block_autotune 400 "$PY" -m \
+    torchtitan_ext.train "${ARGS[@]}" --training.compile true
+wanted whole_block_cudagraphs && run_job whole_block_cudagraphs 300 "$PY" -c "$CUDAGRAPHS" "${ARGS[@]}" \
+    --training.compile true
 wanted whole_block_triton && run_job whole_block_triton 240 "$PY" -m torchtitan_ext.train "${ARGS[@]}" \
     --training.compile true --training.kernels triton
 [ ${#runs[@]} -gt 0 ] && "$PY" benchmarks/summarize.py "${runs[@]}"
@@ -58,6 +75,6 @@ for way in whole_block around_experts; do
     if wanted "profile_$way"; then
         code="$RUN_PROFILE"; [ "$way" = around_experts ] && code="$FORCE_AROUND$RUN_PROFILE"
         timeout 240 "$PY" -c "$code" "$way" "${ARGS[@]}" --training.compile true --training.steps 15 \
-            --job.dump_folder "$OUT/profile_$way" 2>&1 | grep -E '^\{|^top kernels|^  ' | cut -c1-150
+            --job.dump_folder "$OUT/profile_$way" 2>&1 | grep -E '^\{|^top kernels|^  |Warning|^GPU busy' | cut -c1-150
     fi
 done

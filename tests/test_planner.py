@@ -14,6 +14,7 @@ import torch
 from torchtitan_ext.config.loader import parse_args
 from torchtitan_ext.models.decoder import Decoder
 from torchtitan_ext.models.flavors import get_flavor
+from torchtitan_ext.parallel.grad_norm import grad_norm
 from torchtitan_ext.plan import GRADS, block_activations, head_activations, main, plan
 from torchtitan_ext.train.losses import cross_entropy_loss
 from torchtitan_ext.train.optim import Optimizers
@@ -131,7 +132,8 @@ def test_parameter_and_optimizer_bytes_match_a_real_step(optimizer):
     opt = Optimizers([model], cfg.optimizer)
     tokens = torch.randint(0, 257, (2, 32))
     cross_entropy_loss(model(tokens), tokens).backward()
-    opt.step()
+    params = list(model.parameters())
+    opt.step(params, grad_norm(params), max_norm=1.0)
     param_bytes = sum(q.numel() * 4 for q in model.parameters())
     state_bytes = sum(v.numel() * v.element_size() for o in opt.optimizers for s in o.state.values()
                       for v in s.values() if torch.is_tensor(v) and v.ndim > 0)

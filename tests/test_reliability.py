@@ -313,7 +313,7 @@ def test_exception_while_async_save_pending_finishes_the_save(tmp_path):
                       "--checkpoint.async_mode", "async", "--checkpoint.interval", "2", "--training.steps", "4"])
     os.environ.pop("RANK", None)
     trainer = Trainer(cfg)
-    step = trainer.train_step
+    step = trainer.queue_step
 
     def fail_at_3():
         if trainer.step == 3:
@@ -321,7 +321,7 @@ def test_exception_while_async_save_pending_finishes_the_save(tmp_path):
             raise RuntimeError("injected fault")
         return step()
 
-    trainer.train_step = fail_at_3
+    trainer.queue_step = fail_at_3
     try:
         with pytest.raises(RuntimeError, match="injected fault"):
             trainer.train()

@@ -34,25 +34,41 @@ def test_warmup_stable_decay(shape, mid):
 
 
 def test_spike_guard_halves_lr_for_window_steps():
+    """A spike read at step k cuts steps k+2 .. k+1+window (the loss is read one step late)."""
     g = SpikeGuard(factor=1.5, window=4, lr_scale=0.5)
-    for loss in (2.0, 2.0, 2.0, 2.0):
-        assert not g.observe(loss)
-    assert g.lr_factor == 1.0
-    assert not g.observe(2.9)                    # below 1.5 x mean(2,2,2,2) = 3.0
-    assert g.observe(3.5)                        # > 1.5 x mean(2,2,2,2.9) = 3.34
-    assert [g.lr_factor for _ in range(1)] == [0.5]
-    for _ in range(3):
-        g.observe(2.0)
-        assert g.lr_factor == 0.5
-    g.observe(2.0)
-    assert g.lr_factor == 1.0 and g.spikes == 1
+    for step, loss in enumerate((2.0, 2.0, 2.0, 2.0), start=1):
+        assert not g.observe(step, loss)
+    assert [g.lr_factor(s) for s in range(1, 8)] == [1.0] * 7
+    assert not g.observe(5, 2.9)                 # below 1.5 x mean(2,2,2,2) = 3.0
+    assert g.observe(6, 3.5)                     # > 1.5 x mean(2,2,2,2.9) = 3.34
+    assert [g.lr_factor(s) for s in range(6, 13)] == [1.0, 1.0, 0.5, 0.5, 0.5, 0.5, 1.0]
+    for step in range(7, 12):
+        g.observe(step, 2.0)
+    assert g.spikes == 1
+    assert g.observe(12, 9.0) and [g.lr_factor(s) for s in (13, 14, 17, 18)] == [1.0, 0.5, 0.5, 1.0]
+
+
+def test_spike_guard_extends_a_running_cut():
+    g = SpikeGuard(factor=1.5, window=3, lr_scale=0.5)
+    for step, loss in enumerate((1.0, 1.0, 1.0, 5.0), start=1):
+        g.observe(step, loss)                    # spike at 4: steps 6..8 cut
+    assert g.observe(5, 9.0)                     # > 1.5 x mean(1, 1, 5): cut runs on to 5+1+3 = 9
+    assert [g.lr_factor(s) for s in range(5, 11)] == [1.0, 0.5, 0.5, 0.5, 0.5, 1.0] and g.spikes == 2
 
 
 def test_spike_guard_state_round_trip():
     g = SpikeGuard(window=3)
-    for loss in (1.0, 1.0, 1.0, 5.0):
-        g.observe(loss)
+    for step, loss in enumerate((1.0, 1.0, 1.0, 5.0), start=1):
+        g.observe(step, loss)
     h = SpikeGuard(window=3)
-    h.load_state_dict(g.state_dict())
-    assert h.lr_factor == g.lr_factor == 0.5
-    assert h.observe(1.0) == g.observe(1.0) and h.cut_remaining == g.cut_remaining
+    h.load_state_dict(g.state_dict(), step=4)
+    assert [h.lr_factor(s) for s in range(5, 10)] == [g.lr_factor(s) for s in range(5, 10)] == \
+        [1.0, 0.5, 0.5, 0.5, 1.0]
+    assert h.observe(5, 1.0) == g.observe(5, 1.0) and h.history == g.history
+
+
+def test_spike_guard_loads_a_cut_saved_as_its_length():
+    """Checkpoints written before cuts were step-numbered saved the remaining length."""
+    h = SpikeGuard(window=3)
+    h.load_state_dict({"history": [1.0, 1.0, 1.0], "cut_remaining": 2, "spikes": 1}, step=10)
+    assert [h.lr_factor(s) for s in (10, 11, 12, 13)] == [1.0, 0.5, 0.5, 1.0]

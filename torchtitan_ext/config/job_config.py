@@ -102,7 +102,7 @@ class OptimizerSection:
     beta2: float = opt(0.95, "AdamW beta2", min=0.0, max=1.0)
     eps: float = opt(1e-8, "AdamW epsilon", min=0.0)
     weight_decay: float = opt(0.1, "decoupled weight decay; never on norms, biases, embeddings", min=0.0)
-    fused: bool = opt(True, "fused AdamW kernel on GPU")
+    fused: bool = opt(True, "fused AdamW kernel (GPU and CPU): clips and skips non-finite steps without a host read")
     muon_momentum: float = opt(0.95, "Muon momentum", min=0.0, max=1.0)
     muon_nesterov: bool = opt(True, "Muon Nesterov momentum")
     muon_ns_steps: int = opt(5, "Muon Newton-Schulz iterations", min=1, max=20)

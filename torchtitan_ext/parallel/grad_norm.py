@@ -1,4 +1,4 @@
-"""Gradient clipping on the global norm of gradients that may be sharded over several meshes."""
+"""The global norm of gradients that may be sharded over several meshes, and clipping by it."""
 
 from __future__ import annotations
 
@@ -9,20 +9,25 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
-@torch.no_grad()
-def clip_grad_norm_(params: list[torch.nn.Parameter], max_norm: float,
-                    pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Clip in place and return the global L2 norm.
-
-    Gradients sharded the same way are reduced together (DTensor computes the cross-rank sum); groups on
-    different meshes (experts vs the rest) are combined as squares; pipeline stages hold disjoint
-    parameters, so their squares are summed over ``pp_group``.
-    """
+def _local_grads(params: list[torch.nn.Parameter]) -> dict:
+    """Gradients grouped by how they are sharded (experts and the rest may live on different meshes)."""
     groups: dict = defaultdict(list)
     for p in params:
         if p.grad is not None:
             g = p.grad
             groups[(g.device_mesh, g.placements) if isinstance(g, DTensor) else None].append(g)
+    return groups
+
+
+@torch.no_grad()
+def grad_norm(params: list[torch.nn.Parameter], pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The global L2 norm, the same on every rank, as a float32 device scalar (no host read).
+
+    Gradients sharded the same way are reduced together (DTensor computes the cross-rank sum); groups on
+    different meshes are combined as squares; pipeline stages hold disjoint parameters, so their squares
+    are summed over ``pp_group``.
+    """
+    groups = _local_grads(params)
     device = next(iter(groups.values()))[0].device if groups else torch.device("cpu")
     total_sq = torch.zeros((), device=device, dtype=torch.float32)
     for grads in groups.values():
@@ -32,10 +37,21 @@ def clip_grad_norm_(params: list[torch.nn.Parameter], max_norm: float,
         total_sq += norm.float() ** 2
     if pp_group is not None:
         dist.all_reduce(total_sq, group=pp_group)
-    total = total_sq.sqrt()
+    return total_sq.sqrt()
+
+
+def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The factor clipping multiplies gradients by (torch's rule: at most 1)."""
+    return (max_norm / (total + 1e-6)).clamp(max=1.0)
+
+
+@torch.no_grad()
+def clip_grad_norm_(params: list[torch.nn.Parameter], max_norm: float,
+                    pp_group: dist.ProcessGroup | None = None, norm: torch.Tensor | None = None) -> torch.Tensor:
+    """Clip in place (the local shards) and return the global L2 norm (``norm``: already computed)."""
+    total = grad_norm(params, pp_group) if norm is None else norm
     if max_norm > 0:
-        # Scale the local shards: grads may live on different meshes (experts vs the rest).
-        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        local = [g.to_local() if isinstance(g, DTensor) else g for grads in groups.values() for g in grads]
-        torch._foreach_mul_(local, coef.to(local[0].dtype))
+        local = [g.to_local() if isinstance(g, DTensor) else g for grads in _local_grads(params).values()
+                 for g in grads]
+        torch._foreach_mul_(local, clip_coefficient(total, max_norm).to(local[0].dtype))
     return total

@@ -29,14 +29,16 @@ class EMA:
         self.started = False
 
     @torch.no_grad()
-    def update(self, step: int) -> None:
-        """After the optimizer step of 1-based ``step``."""
+    def update(self, step: int, applied: torch.Tensor | None = None) -> None:
+        """After the optimizer step of 1-based ``step``. ``applied``: a device scalar, 0 when the optimizer
+        skipped the step (the average then stays as it is, without a host read)."""
         if step < self.start_step or (step - self.start_step) % self.every:
             return
+        weight = 1.0 - self.decay if applied is None else (1.0 - self.decay) * applied.float()
         for n, p in self.params.items():
             if self.started:
-                self.shadow[n].lerp_(p.detach().float(), 1.0 - self.decay)
-            else:
+                self.shadow[n].lerp_(p.detach().float(), weight)
+            else:  # a skipped step left the weights as they were: starting from them is the same
                 self.shadow[n].copy_(p.detach())
         self.started = True
 

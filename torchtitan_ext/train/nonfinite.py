@@ -2,16 +2,15 @@
 
 A finite loss can still back-propagate Inf or NaN (an overflow in one layer's backward); one optimizer step
 on such gradients writes NaN into every weight it touches, and the next checkpoint would save them. The
-global gradient norm (the same on every rank) is checked before the optimizer step: a non-finite norm skips
-the step on all ranks, counted and logged; ``max_in_row`` skips in a row stop the job.
+global gradient norm (the same on every rank) decides: a non-finite norm skips the step on all ranks
+(``Optimizers.step``, on the device); this guard counts and logs the skips when the step's norm is read on
+the host, and ``max_in_row`` skips in a row stop the job.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-
-import torch
 
 
 class NonFiniteGradients(RuntimeError):
@@ -24,12 +23,12 @@ class NonFiniteGuard:
         self.in_row = 0
         self.total = 0
 
-    def skip(self, step: int, grad_norm: torch.Tensor) -> bool:
-        """True when this step's update must be skipped; raises after ``max_in_row`` skips in a row."""
-        norm = float(grad_norm)
+    def record(self, step: int, norm: float) -> None:
+        """Account for ``step``, whose update was skipped if ``norm`` is not finite; raises after
+        ``max_in_row`` skips in a row."""
         if math.isfinite(norm):
             self.in_row = 0
-            return False
+            return
         self.in_row += 1
         self.total += 1
         if self.in_row >= self.max_in_row:
@@ -38,4 +37,3 @@ class NonFiniteGuard:
                 f"(training.max_skipped_steps = {self.max_in_row}); stopping without saving")
         self.log(f"step {step}: gradient norm is {norm}; update skipped ({self.in_row} in a row, "
                  f"{self.total} in all)")
-        return True

@@ -1,5 +1,9 @@
 """The optimizers of each model part (pipeline stages may hold several parts) behind one Stateful container:
-AdamW for everything, or Muon for the blocks' matrices and AdamW for the rest."""
+AdamW for everything, or Muon for the blocks' matrices and AdamW for the rest.
+
+Fused AdamW takes the clipping factor and the non-finite skip as device tensors (``grad_scale``,
+``found_inf``: the kernel divides the gradients by the one and does nothing when the other is 1), so a step
+needs no host read of the gradient norm and the GPU never waits for the host between steps."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from torchtitan_ext.config.job_config import OptimizerSection
 from torchtitan_ext.parallel.compile import clean_fqn
+from torchtitan_ext.parallel.grad_norm import clip_grad_norm_
 from torchtitan_ext.train.muon import Muon
 
 
@@ -37,7 +42,7 @@ def param_groups(model: nn.Module, weight_decay: float, exclude=lambda name, p: 
 
 def build_part_optimizers(model: nn.Module, cfg: OptimizerSection) -> list[torch.optim.Optimizer]:
     """AdamW alone, or Muon on the blocks' matrices plus AdamW on the rest (same learning rate)."""
-    fused = cfg.fused and torch.cuda.is_available()
+    fused = cfg.fused  # CUDA and CPU both have the fused kernel
     exclude = is_muon_param if cfg.name == "muon" else (lambda name, p: False)
     opts: list[torch.optim.Optimizer] = [
         torch.optim.AdamW(param_groups(model, cfg.weight_decay, exclude), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
@@ -64,9 +69,28 @@ class Optimizers:
             for group in opt.param_groups:
                 group["lr"] = lr
 
-    def step(self) -> None:
-        for opt in self.optimizers:
-            opt.step()
+    @property
+    def skips_on_device(self) -> bool:
+        """Every optimizer is fused AdamW: clipping and the non-finite skip ride in its kernel."""
+        return all(isinstance(opt, torch.optim.AdamW) and opt.defaults["fused"] for opt in self.optimizers)
+
+    @torch.no_grad()
+    def step(self, params: list[torch.nn.Parameter], norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+        """Clip to ``max_norm`` by the global ``norm`` and apply the update, unless the norm is not finite.
+        Returns the skip flag (a float32 device scalar, 1 when skipped). Fused AdamW decides on the device;
+        other optimizers (Muon, unfused AdamW) need the flag on the host first."""
+        skipped = (~torch.isfinite(norm)).float()
+        if self.skips_on_device:
+            scale = ((norm + 1e-6) / max_norm).clamp(min=1.0) if max_norm > 0 else None  # 1 / clip factor
+            for opt in self.optimizers:
+                opt.grad_scale, opt.found_inf = scale, skipped
+                opt.step()
+                opt.grad_scale, opt.found_inf = None, None
+        elif not skipped.item():
+            clip_grad_norm_(params, max_norm, norm=norm)
+            for opt in self.optimizers:
+                opt.step()
+        return skipped
 
     def zero_grad(self) -> None:
         for opt in self.optimizers:

@@ -2,7 +2,9 @@
 
 The handler only sets a flag. After each step every rank contributes its flag to one all-reduce (MAX), so
 a signal delivered to a single rank still stops all of them after the same step; the trainer then saves a
-checkpoint and exits 0, and a requeued job resumes from it exactly.
+checkpoint and exits 0, and a requeued job resumes from it exactly. With several ranks the reduced flag is
+read one step later (the reduction queued behind step N is done by the time step N+1 is queued), so the
+check never makes the GPU wait for the host; a signal stops the job one step later than on one rank.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ class Preemption:
     def __init__(self, device: torch.device):
         self.device = device
         self.signal: int | None = None
+        self.reduced: torch.Tensor | None = None  # the flags reduced after the previous step
         if threading.current_thread() is threading.main_thread():  # handlers can only be set there
             for sig in SIGNALS:
                 signal.signal(sig, self._handle)
@@ -29,9 +32,12 @@ class Preemption:
         self.signal = signum
 
     def requested(self) -> bool:
-        """True on every rank once any rank has received a signal (a collective: call it on all ranks)."""
-        flag = torch.tensor(0 if self.signal is None else 1, device=self.device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
+        """Call once after every step on every rank; the same answer on all of them: True once a signal
+        reached any rank (with several ranks, as of the previous step)."""
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return self.signal is not None
+        stop = self.reduced is not None and bool(self.reduced.item())
+        # torch.full fills on the device: no host-to-device copy that would wait for the queued step
+        self.reduced = torch.full((), 0 if self.signal is None else 1, device=self.device)
+        dist.all_reduce(self.reduced, op=dist.ReduceOp.MAX)
+        return stop

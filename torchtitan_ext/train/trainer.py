@@ -37,7 +37,7 @@ from torchtitan_ext.ops.kernels import check_kernels, use_triton_kernels
 from torchtitan_ext.parallel.dims import ParallelDims
 from torchtitan_ext.parallel.ep import check_ep
 from torchtitan_ext.parallel.fsdp import apply_ddp
-from torchtitan_ext.parallel.grad_norm import clip_grad_norm_
+from torchtitan_ext.parallel.grad_norm import grad_norm
 from torchtitan_ext.parallel.init import materialize_and_init
 from torchtitan_ext.parallel.parallelize import parallelize_decoder
 from torchtitan_ext.parallel.pp import build_schedule, check_schedule, split_stages
@@ -63,6 +63,15 @@ def _plain(x: torch.Tensor) -> torch.Tensor:
 
 class TrainingDiverged(RuntimeError):
     """The loss became NaN or Inf; the run stops without saving."""
+
+
+@dataclasses.dataclass
+class QueuedStep:
+    """A step handed to the device: its scalars stay there until ``Trainer.settle`` reads them."""
+    step: int
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    lr: float
 
 
 def init_distributed(device_type: str, timeout_seconds: int = 1800) -> None:
@@ -291,7 +300,7 @@ class Trainer:
 
     def load_state_dict(self, state: dict) -> None:
         self.step = state["step"]
-        self.spike_guard.load_state_dict(state["spike_guard"])
+        self.spike_guard.load_state_dict(state["spike_guard"], self.step)
 
     def log(self, msg: str) -> None:
         if self.rank == 0:
@@ -360,43 +369,68 @@ class Trainer:
         dist.all_reduce(loss, group=self.dims.submesh("pp").get_group())  # only one rank holds the last stage
         return loss
 
-    def train_step(self) -> tuple[float, float]:
+    def _to_device(self, x: torch.Tensor) -> torch.Tensor:
+        """Host batches go to the GPU from pinned memory without blocking (a pageable copy would wait for
+        the whole queued step)."""
+        if self.device.type == "cuda":
+            return x.pin_memory().to(self.device, non_blocking=True)
+        return x.to(self.device)
+
+    def train_step(self) -> tuple[float, float, float]:
+        """One step, read back at once: (loss, gradient norm, lr)."""
+        return self.settle(self.queue_step())
+
+    def settle(self, queued: QueuedStep) -> tuple[float, float, float]:
+        """Read a queued step's loss and gradient norm on the host (one transfer), count a skipped update,
+        stop on a diverged loss, and feed the spike guard; returns (loss, gradient norm, lr)."""
+        loss, norm = torch.stack([queued.loss.float(), queued.grad_norm.float()]).tolist()
+        self.nonfinite.record(queued.step, norm)
+        if not math.isfinite(loss):
+            raise TrainingDiverged(
+                f"step {queued.step}: loss is {loss}; stopping without saving (the latest checkpoint in "
+                f"{self.checkpointer.folder} is intact). Lower optimizer.lr or check the data.")
+        t = self.cfg.training
+        if self.spike_guard.observe(queued.step, loss):
+            self.log(f"step {queued.step}: loss spike {loss:.4f}; LR x {t.spike_lr_scale} for steps "
+                     f"{self.spike_guard.cut_from}-{self.spike_guard.cut_to}")
+        return loss, norm, queued.lr
+
+    def queue_step(self) -> QueuedStep:
+        """Hand one step to the device without reading anything back (the expert-parallel dispatch's split
+        sizes and unfused optimizers excepted), so the host prepares the next step while this one runs."""
         clock = (self.step, self.cfg.training.steps)
         if self.batch_warmup is not None:  # this step's micro-batches; the LR schedule runs on tokens
             self.accum_steps = self.batch_warmup.micro_batches(self.step)
             AuxLoss.scale = 1.0 / (self.accum_steps * self.dims.tp)
             clock = tuple(self.batch_warmup.effective_step(s) for s in clock)
         lr = self.cfg.optimizer.lr * lr_multiplier(*clock, self.cfg.lr_scheduler)
-        lr *= self.spike_guard.lr_factor
+        lr *= self.spike_guard.lr_factor(self.step)
         self.optimizers.set_lr(lr)
         self.optimizers.zero_grad()
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(self.accum_steps):
             batch = self.loader.next_batch()
-            inputs, labels = batch.inputs.to(self.device), batch.labels.to(self.device)
+            inputs, labels = self._to_device(batch.inputs), self._to_device(batch.labels)
             if self.distill is not None:
                 self.distill.set_batch(batch.teacher, self.device)
             if self.has_moe and self.pp_schedule is None:
-                set_token_domains(self.model_parts, batch.domains.to(self.device))
+                set_token_domains(self.model_parts, self._to_device(batch.domains))
             loss_sum += self.forward_backward(inputs, labels, micro == self.accum_steps - 1,
                                               self.attn.model_kwargs(batch, self.device))
         if self.compression is not None and self.compression.after_backward is not None:
             self.compression.after_backward()
         params = [p for m in self.model_parts for p in m.parameters()]
         pp_group = self.dims.submesh("pp").get_group() if self.dims.pp > 1 else None
-        grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_group)
-        if self.nonfinite.skip(self.step, grad_norm):  # the norm is global: every rank skips together
-            self.optimizers.zero_grad()
-        else:
-            self.optimizers.step()
-            if self.ema is not None:
-                self.ema.update(self.step)
-            if self.cfg.float8.enabled and self.cfg.float8.precompute_float8_dynamic_scale_for_fsdp:
-                precompute_float8_scales(self.model_parts)
+        norm = grad_norm(params, pp_group)  # global: every rank skips a non-finite step together
+        skipped = self.optimizers.step(params, norm, self.cfg.training.max_norm)
+        if self.ema is not None:
+            self.ema.update(self.step, applied=1.0 - skipped)
+        if self.cfg.float8.enabled and self.cfg.float8.precompute_float8_dynamic_scale_for_fsdp:
+            precompute_float8_scales(self.model_parts)
         loss = loss_sum / self.accum_steps
         if self.dims.dp > 1:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dims.submesh("dp").get_group())
-        return loss.item(), grad_norm.item(), lr
+        return QueuedStep(self.step, loss, norm, lr)
 
     def _across_stages(self, stage_values: dict[str, float]) -> dict[str, float]:
         """Metrics each pipeline stage measures on its own layers (MoDE loads, gradient bytes), merged for
@@ -472,28 +506,34 @@ class Trainer:
             self.profiling.finish()
 
     def _train_loop(self) -> None:
+        """Steps are queued on the device and read back one step late (``settle``), so the host prepares
+        step N+1 while the GPU runs step N; logging, evaluation, checkpoint and preemption steps, and the
+        last one, are read back at once."""
         cfg, t = self.cfg, self.cfg.training
         self.log(f"training {t.steps} steps from step {self.step}: global batch {self.global_batch_size} x "
                  f"{t.seq_len} tokens, {self.accum_steps} micro-batches")
         window_start, window_steps = time.perf_counter(), 0
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
+        unread: QueuedStep | None = None
         while self.step < t.steps:
             self.step += 1
             self.profiling.step(self.step)
-            self.attn.record_lse(self.step % cfg.metrics.log_freq == 0 or self.step == t.steps)
-            loss, grad_norm, lr = self.train_step()
-            window_steps += 1
             log_now = self.step % cfg.metrics.log_freq == 0 or self.step == t.steps
-            moe_metrics = balance_experts(self.model_parts, self.moe_group, report=log_now) if self.has_moe else {}
-            if not math.isfinite(loss):
-                raise TrainingDiverged(
-                    f"step {self.step}: loss is {loss}; stopping without saving (the latest checkpoint in "
-                    f"{self.checkpointer.folder} is intact). Lower optimizer.lr or check the data.")
-            if self.spike_guard.observe(loss):
-                self.log(f"step {self.step}: loss spike {loss:.4f}; LR x {t.spike_lr_scale} for "
-                         f"{t.spike_window} steps")
             eval_now = cfg.eval.interval > 0 and self.step % cfg.eval.interval == 0  # whatever log_freq is
+            self.attn.record_lse(log_now)
+            queued = self.queue_step()
+            window_steps += 1
+            moe_metrics = balance_experts(self.model_parts, self.moe_group, report=log_now) if self.has_moe else {}
+            if unread is not None:  # the previous step: finished on the device by now
+                self.settle(unread)
+                unread = None
+            preempted = self.preemption.requested()
+            save_now = self.checkpointer.should_save(self.step, t.steps)
+            if not (log_now or eval_now or preempted or save_now):
+                unread = queued
+                continue
+            loss, grad_norm, lr = self.settle(queued)
             if log_now or eval_now:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize()
@@ -503,7 +543,7 @@ class Trainer:
                           "skipped_steps": self.nonfinite.total,
                           "tokens": self.tokens_through(self.step), "micro_batches": self.accum_steps,
                           "tokens_per_sec_per_device": tps / self.dims.world_size,
-                          "lr_spike_factor": self.spike_guard.lr_factor}
+                          "lr_spike_factor": self.spike_guard.lr_factor(self.step)}
                 if self.peak_flops:
                     values["mfu"] = self.flops_per_token * tps / self.dims.world_size / self.peak_flops
                 if self.device.type == "cuda":
@@ -522,14 +562,14 @@ class Trainer:
                     self.last_eval_step = self.step
                 self.metrics.log(self.step, {k: v for k, v in values.items() if v is not None})
                 window_start, window_steps = time.perf_counter(), 0
-            if self.preemption.requested():  # every rank stops after this same step
+            if preempted:  # every rank stops after this same step
                 if self.checkpointer.cfg.enabled:
                     self.checkpointer.save(self.step, wait=True)
                 self.log(f"preempted (signal) after step {self.step}: " + (
                     f"saved {self.checkpointer.folder}/step-{self.step}; exiting" if self.checkpointer.cfg.enabled
                     else "checkpoint.enabled = false, nothing saved; exiting"))
                 return
-            if self.checkpointer.should_save(self.step, t.steps):
+            if save_now:
                 self.checkpointer.save(self.step, wait=self.step == t.steps)
         self.checkpointer.finish_pending()
         val = self.evaluate() if self.last_eval_step != self.step else None  # not twice for the last step

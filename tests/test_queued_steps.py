@@ -1,0 +1,68 @@
+"""Steps queued without host reads: fused AdamW clips and skips non-finite steps on the device exactly as
+the host path does, and reading each step's loss one step late changes nothing a run computes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from trainer_utils import TINY, read_metrics, run_trainer
+
+from torchtitan_ext.config.loader import parse_args
+from torchtitan_ext.train.trainer import Trainer
+
+
+def _steps_with_a_poisoned_third(tmp_path, fused: str) -> tuple[list[tuple[float, float]], list[torch.Tensor]]:
+    """Five steps, clipping active (max_norm 0.05), step 3's gradients made infinite: (loss, norm) per step
+    and the output weight after each."""
+    cfg = parse_args([*TINY, "--job.dump_folder", str(tmp_path / fused), "--optimizer.fused", fused,
+                      "--training.max_norm", "0.05"])
+    os.environ.pop("RANK", None)
+    trainer = Trainer(cfg)
+    try:
+        assert trainer.optimizers.skips_on_device == (fused == "true")
+        weight = trainer.model_parts[0].output.weight
+        weight.register_hook(lambda g: g * float("inf") if trainer.step == 3 else g)
+        scalars, weights = [], []
+        for step in range(1, 6):
+            trainer.step = step
+            loss, norm, _ = trainer.train_step()
+            scalars.append((loss, norm))
+            weights.append(weight.detach().clone())
+        return scalars, weights
+    finally:
+        trainer.metrics.close()
+        dist.destroy_process_group()
+
+
+def test_device_clip_and_skip_equal_the_host_path(tmp_path):
+    device_path = _steps_with_a_poisoned_third(tmp_path, "true")
+    host_path = _steps_with_a_poisoned_third(tmp_path, "false")
+    for (scalars, weights) in (device_path, host_path):
+        assert scalars[0][1] > 0.05 * 10  # clipping scales the update by more than 10x
+        assert not torch.isfinite(torch.tensor(scalars[2][1]))
+        assert torch.equal(weights[2], weights[1])  # the non-finite step left the weights as they were
+        assert not torch.equal(weights[3], weights[2])
+    for (d_loss, d_norm), (h_loss, h_norm) in zip(device_path[0], host_path[0], strict=True):
+        assert d_loss == pytest.approx(h_loss, rel=1e-5)
+        assert d_norm == pytest.approx(h_norm, rel=1e-5) or d_norm != d_norm and h_norm != h_norm
+    for d, h in zip(device_path[1], host_path[1], strict=True):
+        torch.testing.assert_close(d, h, rtol=1e-5, atol=1e-7)
+
+
+def test_losses_read_late_change_no_step(tmp_path):
+    """A hair-trigger spike guard (factor 1, window 2) cuts the LR often; logging every step (each loss read
+    at once) and every 4th (read one step late) give the same LR and loss at every logged step."""
+    spiky = ["--training.steps", "12", "--training.spike_factor", "1.0", "--training.spike_window", "2"]
+    every = run_trainer(tmp_path / "every", 0, *spiky, "--metrics.log_freq", "1")
+    late = run_trainer(tmp_path / "late", 0, *spiky, "--metrics.log_freq", "4")
+    assert every.stdout.count("loss spike") >= 2 and every.stdout.count("loss spike") == late.stdout.count("loss spike")
+    ref = {r["step"]: r for r in read_metrics(tmp_path / "every")}
+    got = read_metrics(tmp_path / "late")
+    assert [r["step"] for r in got] == [4, 8, 12]
+    assert any(ref[s]["lr_spike_factor"] < 1 for s in ref)
+    for r in got:
+        assert r["lr"] == ref[r["step"]]["lr"] and r["lr_spike_factor"] == ref[r["step"]]["lr_spike_factor"]
+        assert r["loss"] == pytest.approx(ref[r["step"]]["loss"], rel=1e-6)
