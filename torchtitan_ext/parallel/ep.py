@@ -6,6 +6,11 @@ the counts are exchanged first (so each rank knows how many rows it will receive
 of its experts), then the rows, which arrive ordered by (source rank, local expert) and are re-sorted by
 local expert for the grouped GEMM. Combine reverses both steps. The all-to-alls are differentiable, so
 gradients flow back to the router and to the tokens' ranks.
+
+The row all-to-alls are plain c10d calls inside an autograd Function, not functional collectives: a
+functional collective returns an ``AsyncCollectiveTensor``, and one handed to a compiled graph that was
+still compiling (the combine, on a cold cache) was seen to wait for ever on CPU (gloo) while the other rank
+went on (benchmarks/RESULTS.md). The experts consume the rows at once, so there was no overlap to lose.
 """
 
 from __future__ import annotations
@@ -13,7 +18,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 
@@ -25,6 +29,29 @@ def _shard_experts(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         module.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)])))
 
 
+class _AllToAll(torch.autograd.Function):
+    """Rows of ``x`` to the ranks of ``group`` (``send`` rows to each, ``recv`` rows from each); the
+    backward sends the gradient rows back the same way."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, recv: list[int], send: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.splits, ctx.group = (recv, send), group
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        recv, send = ctx.splits
+        out = grad.new_empty((sum(send), *grad.shape[1:]))
+        dist.all_to_all_single(out, grad.contiguous(), send, recv, group=ctx.group)
+        return out, None, None, None
+
+
+def all_to_all_rows(x: torch.Tensor, recv: list[int], send: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    return _AllToAll.apply(x, recv, send, group)
+
+
 def _dispatch(module: GroupedExperts, inputs: tuple, mesh: DeviceMesh) -> tuple[torch.Tensor, torch.Tensor]:
     x, counts = inputs
     ep, group = mesh.size(), mesh.get_group()
@@ -34,7 +61,7 @@ def _dispatch(module: GroupedExperts, inputs: tuple, mesh: DeviceMesh) -> tuple[
     received = received.view(ep, n_local)
     send_splits = counts.view(ep, n_local).sum(dim=1).tolist()
     recv_splits = received.sum(dim=1).tolist()
-    x = all_to_all_single_autograd(x, recv_splits, send_splits, group)
+    x = all_to_all_rows(x, recv_splits, send_splits, group)
     block = torch.repeat_interleave(torch.arange(ep * n_local, device=x.device), received.flatten())
     order = (block % n_local).argsort(stable=True)  # (source, expert) -> (expert, source)
     inv = inverse_permutation(order)
@@ -46,7 +73,7 @@ def _combine(module: GroupedExperts, out: torch.Tensor, mesh: DeviceMesh) -> tor
     order, inv, send_splits, recv_splits = module._ep_route
     module._ep_route = None
     unsorted = permute_rows(out, inv, order)
-    return all_to_all_single_autograd(unsorted, send_splits, recv_splits, mesh.get_group())
+    return all_to_all_rows(unsorted, send_splits, recv_splits, mesh.get_group())
 
 
 def check_ep(n_experts: int, ep: int, tp: int = 1) -> None:
