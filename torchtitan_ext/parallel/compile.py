@@ -41,9 +41,9 @@ def _compile_around_experts(block: nn.Module) -> None:
     The experts cannot sit inside a graph under expert parallelism (the all-to-all's split sizes are read on
     the host), when they or their MoDE layer are an FSDP unit of their own (FSDP's hooks run eagerly), or on
     CPU (the grouped-GEMM fallback loops over groups whose sizes are data). Their SwiGLU is not compiled
-    either: its row count differs by rank and step, and a rank-specific recompilation between the two
-    all-to-alls was under suspicion in a hang seen under CPU load (benchmarks/RESULTS.md). Compiled methods
-    keep every parameter's name; few, large graphs keep the host ahead of the GPU."""
+    either: its row count differs by rank and step, and compiling it gained nothing measurable on one H100
+    (benchmarks/RESULTS.md). Compiled methods keep every parameter's name; few, large graphs keep the host
+    ahead of the GPU."""
     block.attend = torch.compile(block.attend, fullgraph=True)
     moe = block.feed_forward
     moe.dispatch_tokens = torch.compile(moe.dispatch_tokens, fullgraph=True)
