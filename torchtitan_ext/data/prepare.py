@@ -1,6 +1,6 @@
 """Turn text or JSONL files into token shards, on many processes, with quality filters:
 
-    python -m torchtitan_ext.data.prepare --input 'data/*.jsonl' --output-dir data/shards --tokenizer byte \
+    python -m torchtitan_ext.data.prepare --input 'data/*.jsonl' --output-dir data/shards --tokenizer byte \\
         --workers 8 --filters heuristics,minhash,ppl --ppl-checkpoint outputs/debug
 
 Each .txt (or other) file is one document; each JSONL line is one document (its ``--text-key`` string).

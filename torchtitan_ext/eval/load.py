@@ -6,6 +6,7 @@ with their global shapes, so a checkpoint saved under any layout loads into the 
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -57,6 +58,8 @@ def load_trained(path: str | Path, device: str | torch.device = "cpu", cfg: JobC
         model = Decoder(args)
     model.init_buffers(device)
     state = {k: v for k, v in model.state_dict().items()}
-    dcp.load({"model": state}, checkpoint_id=str(ckpt))
+    with warnings.catch_warnings():  # one process reading every shard is the intent here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": state}, checkpoint_id=str(ckpt))
     model.load_state_dict(state)
     return model.to(dtype).eval(), tok, cfg, ckpt
