@@ -10,7 +10,9 @@
 # (overrides go to every run, after the model's settings). ONLY="name ..." picks runs: whole_block,
 # around_experts, eager, whole_block_ce (fused linear cross-entropy), whole_block_triton (Triton kernels),
 # whole_block_cpp (inductor's C++ wrapper), whole_block_cudagraphs (mode "reduce-overhead"),
-# whole_block_autotune (TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1), and profile_whole_block / profile_around_experts (benchmarks/profile_step.py: 5 untimed + 10 timed steps,
+# whole_block_autotune (TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1), whole_model / whole_model_cudagraphs (one graph for
+# the whole model, plain or as a CUDA graph), hostprof_whole_block (py-spy of the host over 200 steps, PYSPY=the
+# binary), and profile_whole_block / profile_around_experts (benchmarks/profile_step.py: 5 untimed + 10 timed steps,
 # then the 15 kernels with the most GPU time of 2 profiled steps; with TRACE_GAPS=1 also where the GPU
 # waited for the host, and with SYNC_DEBUG=1 every host sync while a step is queued). Default: the first three.
 set -uo pipefail
@@ -68,6 +70,19 @@ wanted whole_block_autotune && TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1 run_job whole_b
     torchtitan_ext.train "${ARGS[@]}" --training.compile true
 wanted whole_block_cudagraphs && run_job whole_block_cudagraphs 300 "$PY" -c "$CUDAGRAPHS" "${ARGS[@]}" \
     --training.compile true
+# The whole model as one graph (benchmarks/compile_scope.py), plain and as a CUDA graph.
+wanted whole_model && run_job whole_model 300 "$PY" benchmarks/compile_scope.py default train "${ARGS[@]}" \
+    --training.compile true
+wanted whole_model_cudagraphs && run_job whole_model_cudagraphs 300 "$PY" benchmarks/compile_scope.py \
+    reduce-overhead train "${ARGS[@]}" --training.compile true
+# Where the host spends a whole-block step: py-spy samples of steps 10-30 (PYSPY: the py-spy binary).
+if wanted hostprof_whole_block && [ -x "${PYSPY:-}" ]; then
+    "$PYSPY" record -r 250 -f raw --threads -o "$OUT/hostprof.txt" --nonblocking -- "$PY" -m torchtitan_ext.train \
+        "${ARGS[@]}" --training.compile true --training.steps 200 --metrics.log_freq 50 --job.dump_folder "$OUT/hostprof" \
+        > "$OUT/hostprof.log" 2>&1
+    echo "hostprof: exit $?"
+    "$PY" benchmarks/host_profile.py "$OUT/hostprof.txt" | cut -c1-160
+fi
 wanted whole_block_triton && run_job whole_block_triton 240 "$PY" -m torchtitan_ext.train "${ARGS[@]}" \
     --training.compile true --training.kernels triton
 [ ${#runs[@]} -gt 0 ] && "$PY" benchmarks/summarize.py "${runs[@]}"

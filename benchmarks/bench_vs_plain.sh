@@ -30,7 +30,12 @@ plain() {  # name, args
 trainer() {  # name, args (benchmarks/profile_step.py: tokens/s, peak memory, losses, top kernels)
     local name=$1; shift
     wanted "$name" || return 0
-    python3 benchmarks/profile_step.py "$name" --config train_configs/debug.toml --data.tokenizer byte \
+    local entry=(benchmarks/profile_step.py)  # model_*: the whole model one graph, model_cg_*: a CUDA graph
+    case "$name" in
+        model_cg_*) entry=(benchmarks/compile_scope.py reduce-overhead profile) ;;
+        model_*) entry=(benchmarks/compile_scope.py default profile) ;;
+    esac
+    python3 "${entry[@]}" "$name" --config train_configs/debug.toml --data.tokenizer byte \
         --training.compile true --checkpoint.enabled false --eval.steps 0 --metrics.tensorboard false \
         --metrics.log_freq 1000 --optimizer.lr 3e-4 --training.steps "$STEPS" "$@" > "$OUT/$name.txt" 2> "$OUT/$name.err" \
         || { echo "trainer $name failed"; tail -20 "$OUT/$name.err"; }
@@ -60,6 +65,9 @@ trainer sac_1b "${ONE_B[@]}" "${CE[@]}" "${SAC[@]}"
 trainer bf16_8b "${EIGHT_B[@]}"
 trainer fp8_8b "${EIGHT_B[@]}" "${FP8[@]}"
 trainer fp8_8b_head "${EIGHT_B[@]}" "${FP8[@]}" --float8.include_output true
+trainer model_1b "${ONE_B[@]}"
+trainer model_cg_1b "${ONE_B[@]}"
+trainer model_cg_8b "${EIGHT_B[@]}"
 trainer sac_1b_b24 --model.flavor 1b --training.seq_len 2048 --training.local_batch_size 24 "${CE[@]}" "${SAC[@]}"
 
 python3 - "$OUT" "$AFTER" <<'PY' | tee "$OUT/section.md"
@@ -88,6 +96,10 @@ print(f"| same, float8 tensorwise | {p8f.get('tok_s')} | {a8f.get('tokens_per_se
 print(f"| float8 over our own bf16 | | {a8f.get('tokens_per_sec')} / {a8.get('tokens_per_sec')} | "
       f"{ratio(a8f, a8, bkey='tokens_per_sec')} | >= 1.35x |")
 s1, s24, b8, f8, f8h = (load(n, "txt") for n in ("sac_1b", "sac_1b_b24", "bf16_8b", "fp8_8b", "fp8_8b_head"))
+m1, mc1, mc8 = (load(n, "txt") for n in ("model_1b", "model_cg_1b", "model_cg_8b"))
+print(f"| 1b, whole model one graph | {p1.get('tok_s')} | {m1.get('tokens_per_sec')} | {ratio(m1, p1)} | |")
+print(f"| 1b, whole model one CUDA graph | {p1.get('tok_s')} | {mc1.get('tokens_per_sec')} | {ratio(mc1, p1)} | |")
+print(f"| 8B-shaped, whole model one CUDA graph | {p8.get('tok_s')} | {mc8.get('tokens_per_sec')} | {ratio(mc8, p8)} | |")
 print(f"| 1b, fused linear CE + op-level selective AC, tokens/s | {p1.get('tok_s')} | {s1.get('tokens_per_sec')} | "
       f"{ratio(s1, p1)} | |")
 print(f"| same, peak memory GiB | {p1.get('peak_gib')} | {s1.get('peak_memory_gib')} | | <= 40 |")
