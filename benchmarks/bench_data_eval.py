@@ -2,7 +2,7 @@
 and the summary of the domains jobs of bench_data_eval.sh. Prints one JSON line per measurement.
 
     python benchmarks/bench_data_eval.py prepare OUT_DIR [--smoke]  # stdlib sources, 1/2/4/8 workers
-    python benchmarks/bench_data_eval.py generate [--smoke]         # 1b flavor, random init, bf16, one GPU
+    python benchmarks/bench_data_eval.py generate [--smoke]         # 1b, random init, bf16, one GPU: eager, compiled
     python benchmarks/bench_data_eval.py domains DUMP...            # each job's last evaluation
 
 ``--smoke``: a small input and the debug flavor on CPU, to check the script itself.
@@ -55,6 +55,8 @@ def bench_prepare(out: Path, smoke: bool) -> None:
 
 
 def bench_generate(smoke: bool) -> None:
+    """Eager and compiled decoding (``generate(compile=...)``) at each batch size: a warm-up call of the same
+    shapes first (it holds the compilation and the CUDA graph recording; untimed), then the timed call."""
     from torchtitan_ext.generate import generate
     from torchtitan_ext.models.decoder import Decoder
     from torchtitan_ext.models.flavors import get_flavor
@@ -73,18 +75,48 @@ def bench_generate(smoke: bool) -> None:
     dtype = torch.float32 if smoke else torch.bfloat16
     model = model.to(dtype).eval()
     gen = torch.Generator().manual_seed(0)
-    for batch in (1, 2) if smoke else (1, 8, 32):
-        prompts = [torch.randint(0, args.vocab_size, (128,), generator=gen).tolist() for _ in range(batch)]
-        generate(model, prompts, 8)  # warm-up
-        sync()
-        start = time.perf_counter()
-        new = generate(model, prompts, new_tokens)
-        sync()
-        secs = time.perf_counter() - start
-        print(json.dumps({"bench": "generate", "flavor": flavor, "dtype": str(dtype).removeprefix("torch."),
-                          "batch": batch, "prompt": 128, "new_tokens": new_tokens, "seconds": round(secs, 2),
-                          "tokens_per_sec": round(sum(map(len, new)) / secs, 1),
-                          "ms_per_step": round(1000 * secs / new_tokens, 2)}), flush=True)
+    batches = (1, 2) if smoke else (1, 8, 32)
+    prompts = {b: [torch.randint(0, args.vocab_size, (128,), generator=gen).tolist() for _ in range(b)]
+               for b in batches}
+    eager: dict[int, list[list[int]]] = {}
+    for compiled in (False, True):
+        for batch in batches:
+            start = time.perf_counter()
+            generate(model, prompts[batch], new_tokens, compile=compiled)  # warm-up
+            sync()
+            warmup = time.perf_counter() - start
+            start = time.perf_counter()
+            new = generate(model, prompts[batch], new_tokens, compile=compiled)
+            sync()
+            secs = time.perf_counter() - start
+            row = {"bench": "generate", "flavor": flavor, "dtype": str(dtype).removeprefix("torch."),
+                   "compiled": compiled, "batch": batch, "prompt": 128, "new_tokens": new_tokens,
+                   "warmup_seconds": round(warmup, 1), "seconds": round(secs, 2),
+                   "tokens_per_sec": round(sum(map(len, new)) / secs, 1),
+                   "ms_per_step": round(1000 * secs / new_tokens, 2)}
+            if compiled:  # greedy: equal unless two logits tie within rounding (bf16)
+                row["same_tokens_as_eager"] = new == eager[batch]
+                row["mean_tokens_before_first_difference"] = sum(
+                    _common_prefix(a, b) for a, b in zip(new, eager[batch], strict=True)) / batch
+            else:
+                eager[batch] = new
+            print(json.dumps(row), flush=True)
+    # The compiled (CUDA-graph) path against eager in float32, where near-ties of bf16 logits do not decide:
+    # prompts of different lengths (left padding), a stop id met by some rows.
+    model = model.float()
+    lengths = (5, 40, 128, 77)
+    check = [torch.randint(0, args.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+    eager_f32 = generate(model, check, 64)
+    stop = eager_f32[1][10]
+    same = generate(model, check, 64, compile=True) == eager_f32 and \
+        generate(model, check, 64, stop_id=stop, compile=True) == generate(model, check, 64, stop_id=stop)
+    print(json.dumps({"bench": "generate_check", "dtype": "float32", "prompt_lengths": lengths, "new_tokens": 64,
+                      "compiled_equals_eager": same}), flush=True)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two generations share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def domains_summary(dumps: list[Path]) -> None:

@@ -150,9 +150,42 @@ def test_generation_kv_cache_equals_no_cache(trained):
     out = _cli("torchtitan_ext.generate", "--checkpoint", str(trained), "--prompt", "def f(", "--prompt", "a",
                "--max-new-tokens", "8", "--json")
     assert out.returncode == 0, out.stderr
-    assert len(json.loads(out.stdout)["completions"]) == 2
+    assert len(json.loads(out.stdout)["completions"]) == 2 and json.loads(out.stdout)["compiled"] is False  # CPU
     bad = _cli("torchtitan_ext.generate", "--checkpoint", str(trained / "nothing"), "--prompt", "a")
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow  # 20-35 s with a cold inductor cache on 2 busy cores, 8 s with a warm one
+def test_compiled_generation_equals_eager():
+    """compile=True (CPU inductor here; on CUDA the same one-token step graph replays as a CUDA graph) gives
+    the eager cached path's tokens and the no-cache reference's: prompts of different lengths, a stop id
+    that ends one row mid-way, sampling, on a random model (its tokens depend on the whole context, unlike
+    the 6-step trained model's) with every block feature the cached forward walks: QK-norm, partial RoPE,
+    NoPE layers, KV sharing, residual scalars, MoDE, tied head, soft-cap."""
+    from torch._dynamo.utils import counters
+
+    model = _random_model(qk_norm=True, rope_fraction=0.5, nope_every=2, logit_softcap=20.0, n_layers=4,
+                          kv_share="interleaved", residual_scalars=True, tie_embeddings=True, n_experts=4,
+                          moe_every=2, moe_hidden=32)
+    prompts = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17]]
+    full = generate(model, prompts, 20)
+    assert full == generate(model, prompts, 20, use_cache=False)
+    # A token the last row makes (after its first two) that the other rows never make: it ends that row only.
+    stop = next(t for t in full[2][2:] if not any(t in row for row in full[:2]))
+    cut = full[2][:full[2].index(stop) + 1]
+    assert len(cut) < 20
+    graphs = counters["stats"]["unique_graphs"]
+    assert generate(model, prompts, 20, compile=True) == full
+    stopped = generate(model, prompts, 20, stop_id=stop, compile=True)
+    assert stopped == generate(model, prompts, 20, stop_id=stop) == [full[0], full[1], cut]
+    assert stopped == generate(model, prompts, 20, stop_id=stop, use_cache=False)
+    sampled = generate(model, prompts, 12, temperature=0.8, top_p=0.9, seed=1, compile=True)
+    assert sampled == generate(model, prompts, 12, temperature=0.8, top_p=0.9, seed=1)
+    # One graph (at most: one of this shape may exist already) for every step and call: the position is a
+    # tensor, not a constant of the graph.
+    assert counters["stats"]["unique_graphs"] <= graphs + 1
+    # Every row stopped: the loop ends at its next read of the device and trims as the eager loop did.
+    assert generate(model, prompts[2:], 30, stop_id=stop) == [cut]
 
 
 @pytest.mark.parametrize("features, arch", [({}, "LlamaForCausalLM"),

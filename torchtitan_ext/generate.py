@@ -7,40 +7,83 @@ RoPE, FFN or MoDE, residual scalars, final norm, head, soft-cap; KV-sharing laye
 cache), so it computes what ``Decoder.forward`` computes with causal attention, one position at a time.
 Prompts of different lengths are left-padded: each row has its own RoPE positions (counted from its first
 real token) and its padding is masked out of attention.
+
+Decoding one token per row through every layer is hundreds of small kernels with little arithmetic each, so
+on a GPU it is bound by kernel launches, not by reading the weights. ``compile=True`` (the CLI's default on
+CUDA) therefore runs each one-token step as one ``torch.compile`` graph, replayed as a CUDA graph on CUDA
+("reduce-overhead"). For that the step has static shapes and addresses: the cache is preallocated (its
+length rounded up to ``CACHE_SLOTS`` so nearby prompt lengths share one graph; each batch size and cache
+length is compiled once per process), the next slot is a device tensor in the cache, and the masks are
+computed from tensors. The loop never waits for the device: tokens stay there, and the host reads them
+every ``STOP_CHECK_EVERY`` steps (to end once every row has met the stop id) and at the end. Compiled
+kernels round where eager ones do but may sum in another order, so greedy tokens equal the eager path's
+unless two logits are within rounding of each other (likelier in bf16).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
+import weakref
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from torchtitan_ext.models.decoder import Decoder
 
-
-def _rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (batch, seq, heads, head_dim) with per-row tables cos/sin (batch, seq, rope_dims / 2)."""
-    half = cos.shape[-1]
-    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
-    cos, sin = cos[:, :, None, :].to(x.dtype), sin[:, :, None, :].to(x.dtype)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
+CACHE_SLOTS = 256  # cache lengths are a multiple of this (up to max_seq_len): fewer shapes to compile
+STOP_CHECK_EVERY = 16  # decoding steps between host reads of "has every row met the stop id?"
 
 
 class KVCache:
-    """Keys and values of every layer for ``batch`` rows of up to ``max_len`` positions."""
+    """Keys and values (batch, kv_heads, max_len, head_dim) of every layer for ``batch`` rows; a KV-sharing
+    consumer's entries are its producer's tensors. ``pad`` (batch,) is each row's left padding, ``pos`` (a
+    0-d device tensor) the number of filled slots: a tensor, so a compiled step reads and advances it
+    without being compiled again."""
 
     def __init__(self, model: Decoder, batch: int, max_len: int, pad: torch.Tensor):
         a = model.args
         dev, dtype = model.tok_embeddings.weight.device, model.tok_embeddings.weight.dtype
-        shape = (batch, max_len, a.kv_heads, a.hdim)
-        self.k = [torch.zeros(shape, device=dev, dtype=dtype) for _ in model.layers]
-        self.v = [torch.zeros(shape, device=dev, dtype=dtype) for _ in model.layers]
-        self.pad = pad.to(dev)  # (batch,) left-padding of each row
-        self.length = 0  # positions filled
+        shape = (batch, a.kv_heads, max_len, a.hdim)
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        for block in model.layers.values():
+            own = block.attention.computes_kv
+            self.k.append(torch.zeros(shape, device=dev, dtype=dtype) if own else self.k[-1])
+            self.v.append(torch.zeros(shape, device=dev, dtype=dtype) if own else self.v[-1])
+        self.pad = pad.to(dev)
+        self.pos = torch.zeros((), dtype=torch.long, device=dev)
+
+    def fits(self, model: Decoder, batch: int, max_len: int) -> bool:
+        """Whether this cache can serve ``model`` (as it is now: dtype, device) for ``batch`` rows of
+        ``max_len`` slots."""
+        k, w = self.k[0], model.tok_embeddings.weight
+        shape = (batch, model.args.kv_heads, max_len, model.args.hdim)
+        return k.shape == shape and k.dtype == w.dtype and k.device == w.device
+
+
+# The last cache of each model that decoded compiled. A CUDA graph replays at the addresses it recorded, so
+# a new cache at every call would have the graph recorded again; the cache is kept as long as its model.
+_static_caches: weakref.WeakKeyDictionary[Decoder, KVCache] = weakref.WeakKeyDictionary()
+
+
+def _static_cache(model: Decoder, batch: int, max_len: int, pad: torch.Tensor) -> KVCache:
+    """The model's kept cache, emptied for ``pad``, or a new one (marked as a static input for CUDA graphs:
+    the compiled step writes into it, and a graph may only mutate inputs whose address does not change)."""
+    cache = _static_caches.get(model)
+    if cache is not None and cache.fits(model, batch, max_len):
+        cache.pad.copy_(pad)
+        cache.pos.zero_()  # stale entries stay: the masks hide every slot not written by this call
+        return cache
+    cache = KVCache(model, batch, max_len, pad)
+    for t in [*cache.k, *cache.v, cache.pad, cache.pos]:
+        torch._dynamo.mark_static_address(t)
+    _static_caches[model] = cache
+    return cache
 
 
 def check_supported(model: Decoder) -> None:
@@ -49,67 +92,70 @@ def check_supported(model: Decoder) -> None:
         raise ValueError("generation: the model returns hidden states (fused linear cross-entropy is on)")
 
 
-def _attention(attn, x: torch.Tensor, pos: torch.Tensor, cache: KVCache, layer: int, kv_layer: int,
-               rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """One attention over the cache; a KV-sharing consumer (no wk / wv) reads layer ``kv_layer``'s entries."""
+def _attention(attn, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
+               cache: KVCache, layer: int, slots: torch.Tensor) -> torch.Tensor:
+    """One attention over the whole cache, after writing this layer's keys and values into ``slots`` (a
+    KV-sharing consumer has none: its cache entries are its producer's). ``mask`` is (batch, 1, group * t,
+    max_len), as ``forward_cached`` folds it."""
     b, t, _ = x.shape
     q = attn.wq(x).view(b, t, -1, attn.head_dim)
-    computes_kv = getattr(attn, "wk", None) is not None
-    k = attn.wk(x).view(b, t, -1, attn.head_dim) if computes_kv else None
-    if attn.q_norm is not None:
-        q = attn.q_norm(q)
-        k = attn.k_norm(k) if computes_kv else None
-    if attn.use_rope:
-        p = pos.clamp(min=0)
-        cos, sin = rope[0][p], rope[1][p]
-        q = _rope_rows(q, cos, sin)
-        k = _rope_rows(k, cos, sin) if computes_kv else None
-    start = cache.length
-    if computes_kv:
-        cache.k[layer][:, start:start + t] = k
-        cache.v[layer][:, start:start + t] = attn.wv(x).view(b, t, -1, attn.head_dim)
-        kv_layer = layer
-    # The whole cache every step (future slots masked): one shape per generation, so no attention kernel is
-    # planned again for each new length.
-    keys, values = cache.k[kv_layer], cache.v[kv_layer]
-    q, keys, values = q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
-    if keys.shape[1] != q.shape[1]:
-        rep = q.shape[1] // keys.shape[1]
-        keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
-    kidx = torch.arange(keys.shape[2], device=x.device)
-    qidx = torch.arange(start, start + t, device=x.device)
-    causal = kidx[None, :] <= qidx[:, None]  # (t, keys)
-    real = kidx[None, :] >= cache.pad[:, None]  # (batch, keys): padding is never attended to
-    mask = causal[None] & real[:, None, :]
-    # A padding query would attend to nothing (NaN); let it see itself, its output is never used.
-    mask = mask | (kidx[None, None, :] == qidx[None, :, None])
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None])
-    return attn.wo(out.transpose(1, 2).reshape(b, t, -1))
+    k = attn.wk(x).view(b, t, -1, attn.head_dim) if attn.computes_kv else None
+    q, k = attn.norm_and_rotate(q, k, *rope)
+    keys, values = cache.k[layer], cache.v[layer]
+    if attn.computes_kv:
+        keys.index_copy_(2, slots, k.transpose(1, 2))
+        values.index_copy_(2, slots, attn.wv(x).view(b, t, -1, attn.head_dim).transpose(1, 2))
+    # GQA without copying the cache: the `group` query heads of a KV head become group * t queries of it.
+    q = q.transpose(1, 2).reshape(b, keys.shape[1], -1, attn.head_dim)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    return attn.wo(out.view(b, -1, t, attn.head_dim).transpose(1, 2).reshape(b, t, -1))
 
 
 @torch.no_grad()
 def forward_cached(model: Decoder, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
-    """Logits (batch, t, vocab) of ``tokens`` (batch, t) placed after the ``cache.length`` cached ones."""
-    t = tokens.shape[1]
-    idx = torch.arange(cache.length, cache.length + t, device=tokens.device)
-    pos = idx[None, :] - cache.pad[:, None]
-    rope = (model.rope_cos, model.rope_sin)
+    """Logits (batch, t, vocab) of ``tokens`` (batch, t) placed in the cache's next t slots (from
+    ``cache.pos``, which it then advances). The whole cache is attended every step, its unwritten slots
+    masked: one shape per cache, so a compiled step is traced once."""
+    b, t = tokens.shape
+    slots = cache.pos + torch.arange(t, device=tokens.device)  # (t,)
+    pos = (slots[None, :] - cache.pad[:, None]).clamp(min=0)  # (batch, t) RoPE positions (padding: unused)
+    rope = (model.rope_cos[pos], model.rope_sin[pos])
+    kidx = torch.arange(cache.k[0].shape[2], device=tokens.device)
+    seen = (kidx[None, :] <= slots[:, None])[None] & (kidx >= cache.pad[:, None])[:, None, :]  # (batch, t, keys)
+    # A padding query would attend to nothing (NaN); let it see itself, its output is never used.
+    seen = seen | (kidx[None, :] == slots[:, None])[None]
+    group = model.args.n_heads // model.args.kv_heads  # query heads per KV head, folded as in `_attention`
+    mask = seen[:, None, None].expand(b, 1, group, t, len(kidx)).reshape(b, 1, group * t, len(kidx))
     h = model.tok_embeddings(tokens)
-    kv_layer = 0  # the latest layer that computed K/V (KV-sharing consumers read it)
-    for i, block in enumerate(model.layers.values()):
-        scale = getattr(block, "residual_scale", None)
-        attn = _attention(block.attention, block.attention_norm(h), pos, cache, i, kv_layer, rope)
-        if getattr(block.attention, "wk", None) is not None:
-            kv_layer = i
-        h = h + (attn if scale is None else attn * scale[0].to(attn.dtype))
-        ffn = block.feed_forward(block.ffn_norm(h))
-        h = h + (ffn if scale is None else ffn * scale[1].to(ffn.dtype))
-    cache.length += t
+    for layer, block in enumerate(model.layers.values()):
+        h = h + block._scaled(0, _attention(block.attention, block.attention_norm(h), rope, mask, cache, layer,
+                                            slots))
+        h = h + block._scaled(1, block.feed_forward(block.ffn_norm(h)))
+    cache.pos += t
     h = model.norm(h)
     logits = model.output(h) if model.output is not None else F.linear(h, model.tok_embeddings.weight)
     if model.args.logit_softcap > 0:
         logits = model.args.logit_softcap * torch.tanh(logits / model.args.logit_softcap)
     return logits
+
+
+def _decode_step(model: Decoder, cache: KVCache, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits (batch, vocab) after one new token per row, ``tokens`` (batch,): the graph compile captures."""
+    return forward_cached(model, tokens[:, None], cache)[:, -1]
+
+
+@functools.cache
+def _compiled_step(cuda: bool) -> Callable[[Decoder, KVCache, torch.Tensor], torch.Tensor]:
+    """``_decode_step`` compiled for static shapes, with CUDA graphs on CUDA (``triton.cudagraphs``: what
+    mode="reduce-overhead" sets, and a mode cannot be combined with options; CUDA graphs need CUDA). Graphs
+    are kept per shape of the cache, so later calls of the same shape reuse them. ``emulate_precision_casts``
+    rounds the fused kernels' intermediates to the model's dtype where eager rounds them, so bf16 greedy
+    tokens follow the eager path's (without it they part on near-ties within a few dozen tokens). On CPU,
+    MoDE's grouped GEMMs loop over groups whose sizes the host reads (``.tolist()``): captured as symbolic
+    sizes they stay in the one graph, instead of a graph break and a recompilation for every new routing."""
+    step = torch.compile(_decode_step, fullgraph=True, dynamic=False,
+                         options={"triton.cudagraphs": cuda, "emulate_precision_casts": True})
+    return step if cuda else torch._dynamo.config.patch(capture_scalar_outputs=True)(step)
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None) -> torch.Tensor:
@@ -126,44 +172,58 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Ge
     return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
 
 
+def _until_stop(rows: list[list[int]], stop_id: int | None) -> list[list[int]]:
+    """Each row up to and including its first ``stop_id``: a row that met it takes no more tokens."""
+    return [row[:row.index(stop_id) + 1] if stop_id in row else row for row in rows]
+
+
 @torch.no_grad()
 def generate(model: Decoder, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
              top_p: float = 1.0, seed: int = 0, use_cache: bool = True, stop_id: int | None = None,
-             pad_id: int = 0) -> list[list[int]]:
-    """The new tokens of each prompt. ``use_cache=False`` recomputes ``Decoder.forward`` on each row's
-    whole sequence at every step (the reference the cache must equal)."""
+             pad_id: int = 0, compile: bool = False) -> list[list[int]]:
+    """The new tokens of each prompt, up to and including its first ``stop_id``. ``use_cache=False``
+    recomputes ``Decoder.forward`` on each row's whole sequence at every step (the reference the cache must
+    equal). ``compile=True`` compiles the one-token steps (see the module docstring); the prompt pass stays
+    eager: it runs once per call, and compiled it would be compiled again for every prompt length."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generation needs at least one non-empty prompt")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens = {max_new_tokens}: expected >= 1")
     longest = max(map(len, prompts))
     if longest + max_new_tokens > model.args.max_seq_len:
         raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
                          f"max_seq_len {model.args.max_seq_len}")
+    if compile and not use_cache:
+        raise ValueError("generation: compile needs the KV cache (use_cache=True)")
     check_supported(model)
     device = model.tok_embeddings.weight.device
     gen = torch.Generator(device=device).manual_seed(seed)
-    out: list[list[int]] = [[] for _ in prompts]
-    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    batch = len(prompts)
     if use_cache:
         pad = torch.tensor([longest - len(p) for p in prompts])
-        cache = KVCache(model, len(prompts), longest + max_new_tokens, pad)
+        slots = min(model.args.max_seq_len, -(-(longest + max_new_tokens) // CACHE_SLOTS) * CACHE_SLOTS)
+        cache = (_static_cache if compile else KVCache)(model, batch, slots, pad)
         tokens = torch.tensor([[pad_id] * (longest - len(p)) + list(p) for p in prompts], device=device)
         logits = forward_cached(model, tokens, cache)[:, -1]
-    seqs = [list(p) for p in prompts]
-    for _ in range(max_new_tokens):
+        step = _compiled_step(device.type == "cuda") if compile else _decode_step
+    else:
+        rows = [torch.tensor(p, device=device) for p in prompts]
+    new = torch.zeros(batch, max_new_tokens, dtype=torch.long, device=device)
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    for i in range(max_new_tokens):
         if not use_cache:
-            logits = torch.cat([model(torch.tensor([s], device=device))[:, -1] for s in seqs])
+            logits = torch.cat([model(torch.cat((row, new[r, :i]))[None])[:, -1] for r, row in enumerate(rows)])
         nxt = sample(logits, temperature, top_p, gen)
-        for i, tok in enumerate(nxt.tolist()):
-            if not done[i]:
-                out[i].append(tok)
-                seqs[i].append(tok)
+        new[:, i] = nxt
         if stop_id is not None:
             done |= nxt == stop_id
-            if bool(done.all()):
+            if (i + 1) % STOP_CHECK_EVERY == 0 and bool(done.all()):  # the only host read in the loop
                 break
-        if use_cache:
-            logits = forward_cached(model, nxt[:, None], cache)[:, -1]
-    return out
+        if use_cache and i + 1 < max_new_tokens:
+            if compile:  # the last step's outputs have been read: its CUDA graph may run again
+                torch.compiler.cudagraph_mark_step_begin()
+            logits = step(model, cache, nxt)
+    return _until_stop(new[:, :i + 1].tolist(), stop_id)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile the decoding step (CUDA graphs on CUDA); default: on CUDA, off on CPU")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = p.parse_args(argv)
     if args.max_new_tokens < 1 or not 0 < args.top_p <= 1 or args.temperature < 0:
@@ -186,19 +248,20 @@ def main(argv: list[str] | None = None) -> int:
 
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else \
         ("cpu" if args.device == "auto" else args.device)
+    compiled = device == "cuda" if args.compile is None else args.compile
     try:
         model, tok, _, ckpt = load_trained(args.checkpoint, device)
         prompts = [[int(i) for i in tok.encode(text)] for text in args.prompt]
         start = time.perf_counter()
         new = generate(model, prompts, args.max_new_tokens, args.temperature, args.top_p, args.seed,
-                       stop_id=getattr(tok, "eot_id", None))
+                       stop_id=getattr(tok, "eot_id", None), compile=compiled)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     elapsed = time.perf_counter() - start
     texts = [tok.decode(ids) for ids in new]
     if args.json:
-        print(json.dumps({"checkpoint": str(ckpt), "completions": texts,
+        print(json.dumps({"checkpoint": str(ckpt), "completions": texts, "compiled": compiled,
                           "tokens_per_sec": sum(map(len, new)) / elapsed}))
     else:
         for prompt, text in zip(args.prompt, texts, strict=True):
