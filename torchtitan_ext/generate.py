@@ -108,7 +108,7 @@ def _attention(attn, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], m
     # GQA without copying the cache: the `group` query heads of a KV head become group * t queries of it.
     q = q.transpose(1, 2).reshape(b, keys.shape[1], -1, attn.head_dim)
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-    return attn.wo(out.view(b, -1, t, attn.head_dim).transpose(1, 2).reshape(b, t, -1))
+    return attn.wo(out.reshape(b, -1, t, attn.head_dim).transpose(1, 2).reshape(b, t, -1))
 
 
 @torch.no_grad()
