@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from torchtitan_ext.config.job_config import OptimizerSection
 from torchtitan_ext.parallel.compile import clean_fqn
-from torchtitan_ext.parallel.grad_norm import clip_grad_norm_
+from torchtitan_ext.parallel.grad_norm import clip_divisor, clip_grads_
 from torchtitan_ext.train.muon import Muon
 
 
@@ -81,13 +81,14 @@ class Optimizers:
         other optimizers (Muon, unfused AdamW) need the flag on the host first."""
         skipped = (~torch.isfinite(norm)).float()
         if self.skips_on_device:
-            scale = ((norm + 1e-6) / max_norm).clamp(min=1.0) if max_norm > 0 else None  # 1 / clip factor
+            scale = clip_divisor(norm, max_norm) if max_norm > 0 else None
             for opt in self.optimizers:
                 opt.grad_scale, opt.found_inf = scale, skipped
                 opt.step()
                 opt.grad_scale, opt.found_inf = None, None
         elif not skipped.item():
-            clip_grad_norm_(params, max_norm, norm=norm)
+            if max_norm > 0:
+                clip_grads_(params, norm, max_norm)
             for opt in self.optimizers:
                 opt.step()
         return skipped
