@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
 import subprocess
 import sys
 
@@ -104,7 +105,6 @@ def test_trainer_sliding_eval_equals_eval_cli(trained, tmp_path, layout):
     evaluates): 2 FSDP ranks splitting the windows (3 per rank: the last global batch padded with windows that
     score nothing), TP2 (loss parallel over the vocabulary), or PP2 (2 micro-batches of different scored token
     counts, weighted by them), equals the one-process eval CLI."""
-    import shutil
     shutil.copytree(trained, tmp_path / "job")
     sliding = ["--eval.stride", "16", "--eval.steps", "8"]  # 8 x batch x 64 + 1 tokens, in windows of 64 + 1
     run_trainer(tmp_path / "job", 2, *LLAMA, *sliding, *layout)
@@ -153,6 +153,22 @@ def test_generation_kv_cache_equals_no_cache(trained):
     assert len(json.loads(out.stdout)["completions"]) == 2 and json.loads(out.stdout)["compiled"] is False  # CPU
     bad = _cli("torchtitan_ext.generate", "--checkpoint", str(trained / "nothing"), "--prompt", "a")
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_damaged_checkpoint_is_one_line_for_generate_eval_export(trained, tmp_path):
+    """A truncated shard in the checkpoint that generate / eval / export would read: one line naming it,
+    exit 2 (the trainer skips such a checkpoint; these tools are told which one to read)."""
+    dump = tmp_path / "dump"
+    shutil.copytree(trained, dump)
+    step = max((dump / "checkpoint").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    for shard in step.glob("*.distcp"):
+        shard.write_bytes(shard.read_bytes()[:100])
+    for args in (("torchtitan_ext.generate", "--checkpoint", str(step), "--prompt", "a"),
+                 ("torchtitan_ext.export", "--checkpoint", str(step), "--output", str(tmp_path / "hf"))):
+        out = _cli(*args)
+        assert out.returncode == 2, out.stderr
+        assert out.stderr.strip().splitlines() == [out.stderr.strip()]
+        assert f"{step}: cannot read this checkpoint" in out.stderr
 
 
 @pytest.mark.slow  # 20-35 s with a cold inductor cache on 2 busy cores, 8 s with a warm one

@@ -73,6 +73,11 @@ class CheckpointUnreadable(RuntimeError):
     """Checkpoints exist but none can be loaded (or the one ``load_step`` names cannot)."""
 
 
+def unreadable_reason(e: BaseException) -> str:
+    """One line on why ``dcp.load`` failed (its CheckpointException is a BaseException with a long text)."""
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+
+
 def published_steps(folder: Path) -> list[int]:
     """Steps with a ``step-N/`` folder (complete or damaged), ascending."""
     if not folder.is_dir():
@@ -163,7 +168,7 @@ class CheckpointManager:
             try:
                 dcp.load(self.states, checkpoint_id=str(path))
             except (Exception, CheckpointException) as e:  # any damage (missing/truncated shard, bad pickle)
-                why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+                why = unreadable_reason(e)
         reasons: list[str | None] = [None] * dist.get_world_size()
         dist.all_gather_object(reasons, why)
         return next((r for r in reasons if r is not None), None)
