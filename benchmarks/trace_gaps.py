@@ -20,15 +20,12 @@ def gaps(events: list[dict], min_gap_us: float) -> tuple[list[tuple[float, float
     """Idle intervals (start, end, name of the GPU op after them), busy time and traced span, in us."""
     gpu = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES),
                  key=lambda e: e["ts"])
-    idle, busy, end = [], 0.0, gpu[0]["ts"] + gpu[0]["dur"]
-    busy_end = end
-    busy += gpu[0]["dur"]
+    idle, busy, end = [], gpu[0]["dur"], gpu[0]["ts"] + gpu[0]["dur"]  # end: when the GPU was last busy
     for e in gpu[1:]:
         if e["ts"] - end > min_gap_us:
             idle.append((end, e["ts"], e["name"]))
-        busy += max(0.0, e["ts"] + e["dur"] - max(e["ts"], busy_end))
-        busy_end = max(busy_end, e["ts"] + e["dur"])
-        end = busy_end
+        busy += max(0.0, e["ts"] + e["dur"] - max(e["ts"], end))
+        end = max(end, e["ts"] + e["dur"])
     return idle, busy, end - gpu[0]["ts"]
 
 
