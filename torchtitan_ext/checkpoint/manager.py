@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from torchtitan_ext.config.job_config import CheckpointSection
+from torchtitan_ext.errors import UserError
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 RESIDUALS_DIR = "squinch_residuals"
@@ -69,7 +70,7 @@ class ModelParts:
             set_model_state_dict(m, sd, options=StateDictOptions(strict=False))
 
 
-class CheckpointUnreadable(RuntimeError):
+class CheckpointUnreadable(UserError):
     """Checkpoints exist but none can be loaded (or the one ``load_step`` names cannot)."""
 
 

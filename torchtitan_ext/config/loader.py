@@ -20,9 +20,10 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from torchtitan_ext.config.job_config import JobConfig
+from torchtitan_ext.errors import UserError
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A bad config file, key or value; the message is one line meant for the user."""
 
 

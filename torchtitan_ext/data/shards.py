@@ -18,13 +18,15 @@ from pathlib import Path
 
 import numpy as np
 
+from torchtitan_ext.errors import UserError
+
 MAGIC = 20240520
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 DTYPES = {1: np.uint16, 2: np.uint32}
 
 
-class ShardError(ValueError):
+class ShardError(UserError):
     """A token shard that cannot be read as one (bad magic, unknown version, truncated body)."""
 
 

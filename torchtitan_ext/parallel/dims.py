@@ -14,9 +14,10 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from torchtitan_ext.config.job_config import ParallelismSection
+from torchtitan_ext.errors import UserError
 
 
-class ParallelDimsError(ValueError):
+class ParallelDimsError(UserError):
     """Degrees that do not fit the world size; one line naming the keys and values."""
 
 

@@ -12,8 +12,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from torchtitan_ext.errors import RunStopped
 
-class NonFiniteGradients(RuntimeError):
+
+class NonFiniteGradients(RunStopped):
     """Too many consecutive steps had non-finite gradients; the run stops without saving."""
 
 

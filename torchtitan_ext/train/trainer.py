@@ -23,6 +23,7 @@ from torchtitan_ext.config.loader import ConfigError, to_toml
 from torchtitan_ext.data.loader import build_data
 from torchtitan_ext.data.shards import loader_shards, scan_shards
 from torchtitan_ext.distill.student import Distillation
+from torchtitan_ext.errors import RunStopped
 from torchtitan_ext.eval.bpb import batch_sums, summarize, token_bytes
 from torchtitan_ext.eval.sliding import check_trainer_stride, token_weighted_mean, trainer_batches
 from torchtitan_ext.metrics.logger import MetricsLogger, flops_per_token, peak_flops
@@ -61,7 +62,7 @@ def _plain(x: torch.Tensor) -> torch.Tensor:
     return x.full_tensor() if isinstance(x, DTensor) else x
 
 
-class TrainingDiverged(RuntimeError):
+class TrainingDiverged(RunStopped):
     """The loss became NaN or Inf; the run stops without saving."""
 
 
