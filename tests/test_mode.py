@@ -288,11 +288,11 @@ def test_mode_config_layout_is_valid_at_its_world_size(name, world, extra):
     """ParallelDims accepts the layout; ep divides the experts and dp_shard, tp the heads, the pipeline
     stages the layers; the schedule, micro-batches and global batch fit; per-GPU memory fits an H100."""
     from torchtitan_ext.config.loader import parse_args
+    from torchtitan_ext.models.flavors import resolve_model_args
     from torchtitan_ext.parallel.dims import ParallelDims
     from torchtitan_ext.parallel.ep import check_ep
     from torchtitan_ext.parallel.pp import check_schedule, layer_ranges
     from torchtitan_ext.parallel.tp import check_tp
-    from torchtitan_ext.train.trainer import resolve_model_args
 
     cfg = parse_args(["--config", str(REPO / "train_configs" / name), *extra])
     p, t = cfg.parallelism, cfg.training

@@ -126,7 +126,7 @@ def test_tp_activations_match_saved_tensors_per_rank():
 def test_parameter_and_optimizer_bytes_match_a_real_step(optimizer):
     cfg = parse_args([*TINY, "--optimizer.name", optimizer, "--training.mixed_precision_param", "float32"])
     p = plan(cfg, 1)
-    from torchtitan_ext.train.trainer import resolve_model_args
+    from torchtitan_ext.models.flavors import resolve_model_args
 
     model = _tiny_model(resolve_model_args(cfg, 257), torch.float32)
     opt = Optimizers([model], cfg.optimizer)

@@ -24,7 +24,7 @@ from torchtitan_ext.comm.squinch import BLOCK, BLOCK_BYTES
 from torchtitan_ext.config.loader import parse_args
 from torchtitan_ext.data.tokenizer import ByteTokenizer
 from torchtitan_ext.models.decoder import Decoder
-from torchtitan_ext.train.trainer import resolve_model_args
+from torchtitan_ext.models.flavors import resolve_model_args
 
 STEPS = 300
 WORLD = 2

@@ -161,7 +161,7 @@ def _param_groups(args: ModelArgs) -> dict[str, int]:
 
 def plan(cfg: JobConfig, world: int) -> Plan:
     """The per-rank memory and per-step communication of ``cfg`` on ``world`` GPUs."""
-    from torchtitan_ext.train.trainer import resolve_model_args
+    from torchtitan_ext.models.flavors import resolve_model_args
 
     try:
         dims = ParallelDims.from_config(cfg.parallelism, world)

@@ -43,7 +43,7 @@ def find_checkpoint(path: str | Path, cfg: JobConfig | None = None) -> tuple[Pat
 def load_trained(path: str | Path, device: str | torch.device = "cpu", cfg: JobConfig | None = None,
                  dtype: torch.dtype = torch.float32) -> tuple[Decoder, object, JobConfig, Path]:
     """(model in eval mode, tokenizer, job config, checkpoint folder) from a dump or checkpoint folder."""
-    from torchtitan_ext.train.trainer import resolve_model_args
+    from torchtitan_ext.models.flavors import resolve_model_args
 
     dump, ckpt = find_checkpoint(path, cfg)
     if cfg is None:

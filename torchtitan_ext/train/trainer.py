@@ -28,9 +28,8 @@ from torchtitan_ext.eval.bpb import batch_sums, summarize, token_bytes
 from torchtitan_ext.eval.sliding import check_trainer_stride, token_weighted_mean, trainer_batches
 from torchtitan_ext.metrics.logger import MetricsLogger, flops_per_token, peak_flops
 from torchtitan_ext.metrics.profiling import Profiling
-from torchtitan_ext.models.args import ModelArgs
 from torchtitan_ext.models.decoder import Decoder
-from torchtitan_ext.models.flavors import get_flavor
+from torchtitan_ext.models.flavors import resolve_model_args
 from torchtitan_ext.models.mode import AuxLoss
 from torchtitan_ext.models.param_count import count_params
 from torchtitan_ext.ops.attention_backend import attention_backend
@@ -90,41 +89,6 @@ def init_distributed(device_type: str, timeout_seconds: int = 1800) -> None:
         dist.init_process_group(backend, timeout=timeout)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-
-
-def resolve_model_args(cfg: JobConfig, tokenizer_vocab: int) -> ModelArgs:
-    """The flavor with the config's non-zero overrides applied."""
-    args = get_flavor(cfg.model.flavor)
-    overrides = {k: getattr(cfg.model, k) for k in
-                 ("vocab_size", "n_layers", "dim", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len",
-                  "top_k", "moe_hidden", "moe_every") if getattr(cfg.model, k) > 0}
-    for k in ("n_experts", "aux_loss_coef", "router_z_loss_coef", "bias_update_rate"):
-        if getattr(cfg.model, k) >= 0:
-            overrides[k] = getattr(cfg.model, k)
-    if cfg.model.activation:
-        overrides["activation"] = cfg.model.activation
-    if cfg.model.residual_scalars:
-        overrides["residual_scalars"] = True
-    if cfg.model.kv_share != "none":
-        overrides.update(kv_share=cfg.model.kv_share, kv_share_group=cfg.model.kv_share_group)
-    if not overrides.get("vocab_size") and not args.vocab_size:
-        if not tokenizer_vocab:
-            raise ConfigError("data.tokenizer = 'none' needs model.vocab_size (for example 50304 for "
-                              "GPT-2-tokenized FineWeb shards)")
-        overrides["vocab_size"] = -(-tokenizer_vocab // 64) * 64  # padded: divisible by tp, aligned GEMMs
-    overrides.setdefault("max_seq_len", cfg.training.seq_len)
-    args = dataclasses.replace(args, **overrides)
-    if args.vocab_size < tokenizer_vocab:
-        raise ConfigError(f"model.vocab_size = {args.vocab_size} is smaller than the tokenizer's vocabulary "
-                          f"({tokenizer_vocab}); set model.vocab_size >= {tokenizer_vocab} or 0")
-    if args.max_seq_len < cfg.training.seq_len:
-        raise ConfigError(f"training.seq_len = {cfg.training.seq_len} exceeds model.max_seq_len = "
-                          f"{args.max_seq_len}")
-    try:
-        args.validate()
-    except ValueError as e:
-        raise ConfigError(f"model (flavor {cfg.model.flavor!r}): {e}") from None
-    return args
 
 
 class Trainer:
