@@ -23,7 +23,7 @@ import torch
 
 
 def bench_prepare(out: Path, smoke: bool) -> None:
-    from torchtitan_ext.data.prepare import main as prepare
+    from torchtitan_ext.data.prepare.__main__ import main as prepare
 
     out.mkdir(parents=True, exist_ok=True)
     corpus = out / "corpus.jsonl"

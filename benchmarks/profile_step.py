@@ -20,6 +20,7 @@ import warnings
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from torchtitan_ext.cli import setup_logging
 from torchtitan_ext.config.loader import parse_args
 from torchtitan_ext.train.trainer import Trainer
 
@@ -28,6 +29,7 @@ WARMUP = 5
 
 def main() -> None:
     name, argv = sys.argv[1], sys.argv[2:]
+    setup_logging()
     trainer = Trainer(parse_args(argv))
     t = trainer.cfg.training
     tokens = trainer.global_batch_size * t.seq_len

@@ -19,7 +19,6 @@ from torchtitan_ext.models.args import ModelArgs
 from torchtitan_ext.models.decoder import Attention, Decoder, apply_rope, rope_tables
 from torchtitan_ext.models.param_count import count_params
 from torchtitan_ext.ops.visibility import visibility_mask
-from torchtitan_ext.ops.zreg import VirtualLoss
 
 EOT = 1
 ARGS = ModelArgs(vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=64,
@@ -122,7 +121,7 @@ def test_attention_zreg_gradient_one_layer(masked):
     mask = visibility_mask(*vis) if masked else torch.ones(t, t, dtype=torch.bool).tril()[None].expand(b, t, t)
     cos, sin = rope_tables(ARGS)
     rope = (cos[:t][None].double(), sin[:t][None].double())
-    attn.z_reg, VirtualLoss.scale = coef, 1.0
+    attn.z_reg, attn.virtual_grad_scale = coef, 1.0
     out = attn(x, rope, mask if masked else None)
     (out * w).sum().backward()
     got = {n: p.grad.clone() for n, p in attn.named_parameters()}
@@ -134,7 +133,6 @@ def test_attention_zreg_gradient_one_layer(masked):
     ((attn.wo(ref) * w).sum() + virtual).backward()
     for n, p in attn.named_parameters():
         torch.testing.assert_close(got[n], p.grad, atol=1e-10, rtol=1e-9)
-    VirtualLoss.scale = 1.0
 
 
 def test_attention_zreg_gradient_whole_model():
@@ -149,7 +147,7 @@ def test_attention_zreg_gradient_whole_model():
     for m in model.modules():
         if isinstance(m, Attention):
             m.z_reg = coef
-    VirtualLoss.scale = 0.5  # as with two micro-batches: the main loss is divided by 2 as well
+    model.set_loss_scales(aux=0.5, virtual=0.5)  # as with two micro-batches: the main loss is divided by 2 too
     (F.cross_entropy(model(tokens, visibility=vis).flatten(0, 1), labels.flatten()) * 0.5).backward()
     got = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
@@ -168,7 +166,6 @@ def test_attention_zreg_gradient_whole_model():
     assert (total - loss).item() > 1e-3  # the regulariser is not negligible here
     for n, p in model.named_parameters():  # random weights of scale 0.3: float64 rounding reaches ~1e-9
         torch.testing.assert_close(got[n], p.grad, atol=1e-8, rtol=1e-6, msg=n)
-    VirtualLoss.scale = 1.0
 
 
 def test_output_zreg_gradient_and_value():
@@ -313,8 +310,8 @@ def _write_trees(path, n: int, seed: int) -> list[dict]:
 
 
 def test_tree_shards_and_windows(tmp_path):
+    from torchtitan_ext.data.sources.trees import TreeDataLoader, prepare_trees
     from torchtitan_ext.data.tokenizer import ByteTokenizer
-    from torchtitan_ext.data.trees import TreeDataLoader, prepare_trees
 
     _write_trees(tmp_path / "t.jsonl", 30, 0)
     tok = ByteTokenizer()
@@ -342,10 +339,10 @@ def test_tree_shards_and_windows(tmp_path):
 
 
 def test_tree_data_trains_and_resumes_exactly(tmp_path):
-    from torchtitan_ext.data.trees import main as prepare_main
+    from torchtitan_ext.data.prepare.__main__ import trees_main as prepare_main
 
     _write_trees(tmp_path / "t.jsonl", 60, 1)
-    from torchtitan_ext.data.prepare import main as data_prepare
+    from torchtitan_ext.data.prepare.__main__ import main as data_prepare
 
     assert data_prepare(["--trees", "--input", str(tmp_path / "t.jsonl"), "--output-dir", str(tmp_path / "data"),
                          "--tokenizer", "byte"]) == 0
@@ -361,3 +358,21 @@ def test_tree_data_trains_and_resumes_exactly(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"nodes": [{"id": 1, "parent": 2, "text": "x"}, {"id": 2, "parent": 1, "text": "y"}]}\n')
     assert prepare_main(["--input", str(bad), "--output-dir", str(tmp_path / "bad")]) == 2
+
+
+def test_zreg_weighted_like_the_loss_under_batch_warmup(tmp_path):
+    """Batch warmup holding every step at one of two micro-batches trains exactly like a run whose global
+    batch is that one micro-batch, with attention Z-reg on: the Z-reg gradient is weighted by the step's own
+    micro-batch count (it once kept the full batch's 1/2). A run without Z-reg shows the term matters."""
+    common = ["--training.steps", "3", "--lr_scheduler.name", "constant", "--lr_scheduler.warmup_steps", "0",
+              "--optimizer.lr", "1e-2"]
+    zreg = ["--training.attention_z_reg", "0.05"]
+    run_trainer(tmp_path / "warm", 0, *common, *zreg, "--training.global_batch_size", "8",
+                       "--training.batch_warmup_tokens", "1000000000", "--training.batch_warmup_start", "1")
+    assert all(r["micro_batches"] == 1 for r in read_metrics(tmp_path / "warm"))
+    run_trainer(tmp_path / "one", 0, *common, *zreg)
+    run_trainer(tmp_path / "plain", 0, *common)
+    with_warmup, one, plain = losses(tmp_path / "warm"), losses(tmp_path / "one"), losses(tmp_path / "plain")
+    assert abs(plain[3] - one[3]) > 1e-4, (plain, one)
+    for step in (1, 2, 3):
+        assert with_warmup[step] == pytest.approx(one[step], rel=1e-6, abs=1e-6), (with_warmup, one)

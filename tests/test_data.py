@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from torchtitan_ext.data.loader import TokenDataLoader
-from torchtitan_ext.data.prepare import main as prepare
+from torchtitan_ext.data.packers.concat import TokenDataLoader
+from torchtitan_ext.data.prepare.__main__ import main as prepare
 from torchtitan_ext.data.shards import MAGIC, ShardError, read_shard, write_shard
 from torchtitan_ext.data.tokenizer import ByteTokenizer
 

@@ -77,10 +77,9 @@ def test_kernels_match_float64_reference():
 def test_block_uses_fused_kernels_when_flagged(monkeypatch):
     """The flag routes Block and FeedForward through the kernel entry points (torch references patched in)."""
     from torchtitan_ext.models import decoder, ffn
-    from torchtitan_ext.models.args import ModelArgs
+    from torchtitan_ext.models.args import ComputeOptions, ModelArgs
     from torchtitan_ext.ops.activations import swiglu_reference
     from torchtitan_ext.ops.fused_norm import add_rms_norm_reference
-    from torchtitan_ext.ops.kernels import use_triton_kernels
     from torchtitan_ext.ops.qk_norm_rope import qk_norm_rope_reference
 
     calls = []
@@ -91,13 +90,16 @@ def test_block_uses_fused_kernels_when_flagged(monkeypatch):
                         qk_norm_rope_reference(x, norm.weight, cos if cos.ndim == 3 else cos[None],
                                                sin if sin.ndim == 3 else sin[None], norm.eps))
     torch.manual_seed(0)
-    model = decoder.Decoder(ModelArgs(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
-                                      max_seq_len=16, qk_norm=True, rope_fraction=0.5))
+    args = ModelArgs(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=16,
+                     qk_norm=True, rope_fraction=0.5)
+    model = decoder.Decoder(args)
     model.init_buffers(torch.device("cpu"))
+    fused = decoder.Decoder(args, ComputeOptions(fused_norm=True, fused_activation=True))
+    fused.load_state_dict(model.state_dict())
+    fused.init_buffers(torch.device("cpu"))
     tokens = torch.randint(0, 64, (2, 16))
     want = model(tokens)
-    use_triton_kernels(model, tp=1)
-    torch.testing.assert_close(model(tokens), want)
+    torch.testing.assert_close(fused(tokens), want)
     assert calls == ["qk", "qk", "norm", "act"] * 2
 
 

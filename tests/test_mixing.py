@@ -17,9 +17,10 @@ import torch
 from trainer_utils import REPO, read_metrics, run_trainer
 
 from torchtitan_ext.config.loader import ConfigError
-from torchtitan_ext.data.mixing import Domain, MixingLoader, adaptive_update, parse_domains, project, rows_to_batch
-from torchtitan_ext.data.packing import PAD, bfd_bins, pack
+from torchtitan_ext.data.base import rows_to_batch
+from torchtitan_ext.data.packers.bfd import PAD, bfd_bins, pack
 from torchtitan_ext.data.shards import write_shard
+from torchtitan_ext.data.sources.domains import Domain, MixingLoader, adaptive_update, parse_domains, project
 
 
 def _write_domains(folder: Path, n_domains: int = 2) -> list[dict]:
@@ -165,7 +166,7 @@ def test_bfd_packing_in_training(tmp_path):
     # Padding is never a label, and every window starts with a document (its first token follows an EOT).
     from trainer_utils import TEST_CACHE
 
-    from torchtitan_ext.data.packing import PackedDataLoader
+    from torchtitan_ext.data.packers.bfd import PackedDataLoader
 
     shard = next(TEST_CACHE.glob("stdlib_*_byte/val.bin"))
     loader = PackedDataLoader([shard], 64, 8, 0, 1, seed=0, shuffle=True, eot_id=256)

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from trainer_utils import run_trainer
 
-import torchtitan_ext.data.prepare as prep
-from torchtitan_ext.data.filters import SHINGLE, NearDuplicates, perplexity_scores
+import torchtitan_ext.data.prepare.__main__ as prep
+from torchtitan_ext.data.filters import SHINGLE, NearDuplicates
+from torchtitan_ext.data.prepare.__main__ import perplexity_scores
 from torchtitan_ext.data.shards import read_shard
 from torchtitan_ext.data.tokenizer import ByteTokenizer
 

@@ -10,6 +10,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 from torchtitan_ext.errors import RunStopped, UserError
 
@@ -23,7 +24,7 @@ class _CurrentStream(logging.StreamHandler):
         super().__init__(sys.stdout)
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.setStream(sys.stdout)
+        self.stream = sys.stdout  # not setStream: it flushes the previous stream, which may be closed by now
         super().emit(record)
 
 
@@ -47,6 +48,61 @@ def setup_logging(rank: int | None = None, log_file: str | Path | None = None) -
         handler = logging.NullHandler()
     handler.setFormatter(logging.Formatter("%(message)s"))
     logger.addHandler(handler)
+
+
+class UsageError(UserError):
+    """A command-line mistake found by :class:`ArgumentParser`; one line, exit code 2."""
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written; an :class:`OptionValue` shows its value as required (``--x N``, not ``[N]``)."""
+
+    def _format_args(self, action: argparse.Action, default_metavar: str) -> str:
+        if isinstance(action, OptionValue):
+            return str(self._metavar_formatter(action, default_metavar)(1)[0])
+        return super()._format_args(action, default_metavar)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse for tools whose mistakes are one ``error:`` line at :func:`run_tool` (exit code 2) rather than
+    usage and message. Options are never abbreviated, so a ``--section.key`` override left for the config
+    loader (``parse_known_args``) is never taken for one of the tool's own options."""
+
+    def __init__(self, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(**kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
+class OptionValue(argparse.Action):
+    """An option taking one value (``nargs="?"`` underneath) whose absence is the config loader's line,
+    ``argument --x: missing value``, instead of argparse's."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs="?", **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if values is None:
+            raise UsageError(f"argument {option_string}: missing value")
+        setattr(namespace, self.dest, values)
+
+
+CONFIG_EPILOG = ("Any other --section.key value (or --section.key=value) overrides a key of the job config;\n"
+                 "python -m torchtitan_ext.train --help lists them.")
+
+
+def add_config_option(parser: argparse.ArgumentParser) -> None:
+    """``--config FILE``, the job's TOML file, read with its overrides by :func:`job_argv`."""
+    parser.add_argument("--config", action=OptionValue, metavar="FILE",
+                        help="the job's TOML config (train_configs/*.toml, or a dump folder's config.toml)")
+
+
+def job_argv(ns: argparse.Namespace, rest: list[str]) -> list[str]:
+    """The config loader's arguments (``parse_args``): ``--config FILE`` and the overrides argparse left."""
+    return (["--config", ns.config] if ns.config is not None else []) + rest
 
 
 def error_line(message: object) -> None:

@@ -185,7 +185,7 @@ class DataSection:
                        "best-fit-decreasing into windows (padding ignored by the loss)", choices=("concat", "bfd"))
     attention: str = opt("causal", "causal: one causal stream per window; document: tokens attend only within "
                          "their document (documents end at end-of-text tokens); tree: shards of conversation "
-                         "trees (torchtitan_ext.data.trees), whole trees packed per window",
+                         "trees (torchtitan_ext.data.sources.trees), whole trees packed per window",
                          choices=("causal", "document", "tree"))
     position_reset: bool = opt(False, "RoPE positions restart at 0 in each document (document), or follow each "
                                "token's root-to-node path (tree)")

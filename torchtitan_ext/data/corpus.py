@@ -6,6 +6,7 @@ about 2% of the files, chosen by a hash of their path, form the validation split
 
 from __future__ import annotations
 
+import logging
 import sys
 import sysconfig
 import zlib
@@ -16,6 +17,7 @@ import numpy as np
 from torchtitan_ext.data.shards import write_shard
 from torchtitan_ext.data.tokenizer import ByteTokenizer, FileLock, SentencePieceTokenizer, train_bpe
 
+logger = logging.getLogger(__name__)
 _SKIP_DIRS = {"site-packages", "test", "tests", "idlelib", "__pycache__", "lib2to3"}
 
 
@@ -52,7 +54,7 @@ def builtin_tokenizer(kind: str, vocab_size: int, cache_dir: Path):
     model = cache_dir / f"stdlib_bpe{vocab_size}_py{sys.version_info[0]}{sys.version_info[1]}.model"
     with FileLock(cache_dir / "tokenizer.lock"):
         if not model.is_file():
-            print(f"training the built-in BPE tokenizer ({vocab_size} pieces) -> {model}", flush=True)
+            logger.info(f"training the built-in BPE tokenizer ({vocab_size} pieces) -> {model}")
             texts = read_texts([f for f in stdlib_files() if not is_validation(f)])
             train_bpe(_chunks(texts), vocab_size, model)
     return SentencePieceTokenizer(model)

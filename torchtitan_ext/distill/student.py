@@ -1,4 +1,4 @@
-"""The student side of distillation in the trainer: sidecars attached to the loader, and the mixed loss.
+"""The student side of distillation in the trainer: the sidecars the loader opens, and the mixed loss.
 
 Under pipeline parallelism the soft targets ride with the labels: ``pack`` joins labels, kept tokens and
 target weights into one float64 tensor (every value exact: ids below 2^53, float32 weights), which the
@@ -11,6 +11,8 @@ are aligned with).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -20,24 +22,39 @@ from torchtitan_ext.distill.gumbel import sparse_soft_cross_entropy, target_weig
 from torchtitan_ext.distill.sidecar import SidecarError, SidecarSet
 
 
+def sidecar_factory(cfg: JobConfig) -> Callable[[object], SidecarSet] | None:
+    """The ``sidecars`` argument of ``data.registry.build_loaders``: None without ``distill.path``; else a
+    function the plain shard stream calls with itself to open the sidecars aligned with its windows (other
+    loaders never call it, and ``Distillation`` then refuses them)."""
+    if not cfg.distill.path:
+        return None
+    if cfg.training.fused_linear_ce:
+        raise ConfigError("distill.path: not supported with training.fused_linear_ce (the soft loss needs the "
+                          "logits, which the fused head never materialises)")
+    path = cfg.distill.path
+
+    def open_sidecars(loader) -> SidecarSet:
+        try:
+            return SidecarSet(path, loader.shards, loader.tokens, loader.seq_len)
+        except SidecarError as e:
+            raise ConfigError(f"distill.path: {e}") from None
+    return open_sidecars
+
+
 class Distillation:
     """``loss = (1 - alpha) * hard CE + alpha * soft CE`` against the sidecars' Gumbel top-k targets."""
 
     def __init__(self, cfg: JobConfig, loader, vocab_size: int, micro_batches: int = 1):
-        """``micro_batches``: soft losses computed per ``set_batch`` (the pipeline's micro-batches, else 1)."""
+        """``loader``: the training loader built with ``sidecars=sidecar_factory(cfg)``; ``micro_batches``: soft
+        losses computed per ``set_batch`` (the pipeline's micro-batches, else 1)."""
         d = cfg.distill
-        from torchtitan_ext.data.loader import TokenDataLoader
         if cfg.training.fused_linear_ce:
             raise ConfigError("distill.path: not supported with training.fused_linear_ce (the soft loss needs the "
                               "logits, which the fused head never materialises)")
-        if type(loader) is not TokenDataLoader:
+        side = getattr(loader, "sidecars", None)
+        if side is None:
             raise ConfigError("distill.path: needs a plain shard stream (no data.domains, data.packing = 'concat'): "
                               "the sidecars line up with the shards' fixed windows")
-        try:
-            loader.sidecars = SidecarSet(d.path, loader.shards, loader.tokens, loader.seq_len)
-        except SidecarError as e:
-            raise ConfigError(f"distill.path: {e}") from None
-        side = loader.sidecars
         if side.vocab > vocab_size:
             raise ConfigError(f"distill.path: teacher vocabulary {side.vocab} > the student's {vocab_size}")
         if d.k > side.k:

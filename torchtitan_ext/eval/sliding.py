@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from torchtitan_ext.config.loader import ConfigError
-from torchtitan_ext.data.loader import Batch
+from torchtitan_ext.data.base import Batch
 from torchtitan_ext.eval.bpb import batch_sums
 
 

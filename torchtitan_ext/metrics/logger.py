@@ -1,4 +1,5 @@
-"""Console (rank 0), TensorBoard scalars and metrics.jsonl for each logged step; MFU and GPU memory.
+"""Console (rank 0, through the ``torchtitan_ext`` logger), TensorBoard scalars and metrics.jsonl for each
+logged step; MFU and GPU memory.
 
 A resumed job redoes the steps after its checkpoint: their earlier records are dropped from metrics.jsonl
 (and purged from TensorBoard) on start-up, so each step appears once, with the values of the run that kept it.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import sys
 import time
 import traceback
@@ -17,6 +19,8 @@ from pathlib import Path
 from typing import TextIO
 
 import torch
+
+log = logging.getLogger(__name__)
 
 # Dense bf16 tensor-core peaks (FLOP/s) used for MFU; GPUs not listed report no MFU.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12}
@@ -67,7 +71,7 @@ class MetricsLogger:
                          ("memory_gib", "mem {:.1f}GiB")):
             if key in values:
                 parts.append(fmt.format(values[key]))
-        print("  ".join(parts), flush=True)
+        log.info("  ".join(parts))
 
     def close(self) -> None:
         if self.tb is not None:
@@ -113,7 +117,8 @@ class _Tee(io.TextIOBase):
 def rank_log(dump_folder: str, rank: int) -> Iterator[Path]:
     """Within the block, copy this process's Python stdout and stderr (messages, warnings, and the traceback
     of an exception leaving the block) to ``<dump_folder>/logs/rank-<rank>.log``: the console shows rank 0,
-    the files show every rank."""
+    the files show every rank (the log messages of ranks > 0 reach their file through the logging handler
+    of ``cli.setup_logging``, not the console)."""
     path = Path(dump_folder) / "logs" / f"rank-{rank}.log"
     path.parent.mkdir(parents=True, exist_ok=True)
     saved = sys.stdout, sys.stderr

@@ -6,6 +6,15 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class ComputeOptions:
+    """How a run computes the model, not what it computes (the builder derives them from the job config)."""
+    fused_norm: bool = False  # Triton residual add + RMSNorm and QK-norm + RoPE (training.kernels, not under TP)
+    fused_activation: bool = False  # Triton SwiGLU / squared ReLU (training.kernels)
+    attention_z_reg: float = 0.0  # attention Z-reg coefficient (gradient only)
+    return_hidden: bool = False  # the head is applied by the loss (training.fused_linear_ce)
+
+
+@dataclass(frozen=True)
 class ModelArgs:
     vocab_size: int = 0  # 0: taken from the tokenizer
     dim: int = 256

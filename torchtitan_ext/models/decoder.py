@@ -16,13 +16,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from torchtitan_ext.models.args import ModelArgs
+from torchtitan_ext.models.args import ComputeOptions, ModelArgs
 from torchtitan_ext.models.ffn import FeedForward
 from torchtitan_ext.models.mode import MoDE
 from torchtitan_ext.ops.attention import attention, attention_lse, build_mask
 from torchtitan_ext.ops.kernels import add_rms_norm, qk_norm_rope
 from torchtitan_ext.ops.visibility import causal_block_mask
-from torchtitan_ext.ops.zreg import VirtualLoss, attention_z_virtual
+from torchtitan_ext.ops.zreg import add_virtual_loss, attention_z_virtual
+
+PLAIN = ComputeOptions()  # eager torch kernels, no regulariser, logits out
 
 
 def rope_tables(args: ModelArgs, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,7 +60,8 @@ class Attention(nn.Module):
     """GQA attention. With interleaved KV sharing a consumer layer (``computes_kv`` false) has no wk / wv /
     k_norm and attends over the K (normalised, rotated) and V of its group's first layer."""
 
-    def __init__(self, args: ModelArgs, use_rope: bool, computes_kv: bool = True):
+    def __init__(self, args: ModelArgs, use_rope: bool, computes_kv: bool = True,
+                 options: ComputeOptions = PLAIN):
         super().__init__()
         self.head_dim, self.use_rope, self.computes_kv = args.hdim, use_rope, computes_kv
         self.returns_kv = args.kv_share != "none"  # forward returns (out, (k, v)) for the next layer of the group
@@ -68,11 +71,12 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.hdim, args.dim, bias=False)
         self.q_norm = nn.RMSNorm(args.hdim, eps=args.norm_eps) if args.qk_norm else None
         self.k_norm = nn.RMSNorm(args.hdim, eps=args.norm_eps) if args.qk_norm and computes_kv else None
-        # Set by the trainer: attention Z-reg coefficient, and whether to record the mean LSE this step.
-        self.z_reg, self.record_lse = 0.0, False
+        self.z_reg = options.attention_z_reg
+        self.virtual_grad_scale = 1.0  # the main loss's scaling (``Decoder.set_loss_scales``)
+        self.record_lse = False  # record the mean LSE this step (``Decoder.record_attention_lse``)
         self.n_heads_total, self.n_layers = args.n_heads, args.n_layers
         self.lse_mean: torch.Tensor | None = None
-        self.fused_kernels = False  # training.kernels = "triton": QK-norm + RoPE in one kernel
+        self.fused_kernels = options.fused_norm  # training.kernels = "triton": QK-norm + RoPE in one kernel
 
     def norm_and_rotate(self, q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -105,7 +109,8 @@ class Attention(nn.Module):
         want_lse = self.z_reg > 0 and torch.is_grad_enabled()
         out, lse = attention(qh, kh, vh, mask, need_lse=want_lse)
         if want_lse:
-            out = VirtualLoss.apply(out, attention_z_virtual(lse, self.z_reg, self.n_heads_total, self.n_layers))
+            out = add_virtual_loss(out, attention_z_virtual(lse, self.z_reg, self.n_heads_total, self.n_layers),
+                                   self.virtual_grad_scale)
         if self.record_lse:
             self.lse_mean = (lse if lse is not None else attention_lse(qh, kh, vh, mask)).detach().float().mean()
         out = self.wo(out.transpose(1, 2).reshape(b, t, -1))
@@ -113,17 +118,17 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int):
+    def __init__(self, args: ModelArgs, layer: int, options: ComputeOptions = PLAIN):
         super().__init__()
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(args, args.uses_rope(layer), args.computes_kv(layer))
+        self.attention = Attention(args, args.uses_rope(layer), args.computes_kv(layer), options)
         self.shares_kv = args.kv_share != "none"  # forward also takes and returns the group's (k, v)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         if args.is_moe(layer):
-            self.feed_forward = MoDE(args)
+            self.feed_forward = MoDE(args, options.fused_activation)
         else:
-            self.feed_forward = FeedForward(args.dim, args.ffn_hidden, args.activation)
-        self.fused_kernels = False  # training.kernels = "triton": residual add + ffn_norm in one kernel
+            self.feed_forward = FeedForward(args.dim, args.ffn_hidden, args.activation, options.fused_activation)
+        self.fused_kernels = options.fused_norm  # training.kernels = "triton": residual add + ffn_norm, one kernel
         # [attention, ffn] branch scales (1-D: initialised to one, no weight decay)
         self.residual_scale = nn.Parameter(torch.ones(2)) if args.residual_scalars else None
 
@@ -154,20 +159,38 @@ class Block(nn.Module):
 class Decoder(nn.Module):
     """Embedding -> blocks -> norm -> head. A pipeline stage is a Decoder whose missing parts are None."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, options: ComputeOptions = PLAIN):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): Block(args, i) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(args, i, options) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.return_hidden = False
-        # Set by the trainer when attention needs its LSE without a mask (Z-reg, the LSE metric): on CUDA the
-        # causal attention then runs FlexAttention with a causal BlockMask, which returns it.
-        self.causal_flex = False
+        self.return_hidden = options.return_hidden
+        # When attention needs its LSE without a mask (Z-reg, the LSE metric), on CUDA the causal attention
+        # runs FlexAttention with a causal BlockMask, which returns it.
+        self.z_reg = options.attention_z_reg
+        self.causal_flex = self.z_reg > 0
         cos, sin = rope_tables(args, device=torch.device("meta"))
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+
+    def set_loss_scales(self, aux: float, virtual: float) -> None:
+        """This step's gradient weights of the losses that enter only the backward pass: ``aux`` for the MoDE
+        balancing losses, ``virtual`` for attention Z-reg (each the main loss's scaling, 1 / micro-batches,
+        and for ``aux`` also 1 / TP ranks, which each average over their own slice of the sequence)."""
+        for module in self.modules():
+            if isinstance(module, MoDE):
+                module.aux_grad_scale = aux
+            elif isinstance(module, Attention):
+                module.virtual_grad_scale = virtual
+
+    def record_attention_lse(self, on: bool) -> None:
+        """Record each attention's mean LSE in the coming forward pass (``Attention.lse_mean``)."""
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.record_lse, module.lse_mean = on, None
+        self.causal_flex = on or self.z_reg > 0
 
     def init_buffers(self, device: torch.device) -> None:
         """Fill the buffers after ``to_empty``: RoPE tables, MoDE routing bias and load counters."""

@@ -7,7 +7,7 @@ token copies are sorted by expert and run through one grouped GEMM per weight (`
 scattered back weighted by their gates. ``GroupedExperts`` is the unit expert parallelism distributes.
 
 Balancing losses (Switch load-balancing, router z-loss) do not change the forward value; they enter the
-backward pass through ``AuxLoss`` so they reach the router from any pipeline stage.
+backward pass through ``add_aux_loss`` so they reach the router from any pipeline stage.
 """
 
 from __future__ import annotations
@@ -32,18 +32,11 @@ class _AddAuxGrad(torch.autograd.Function):
         return grad, torch.full((), ctx.scale, dtype=ctx.aux_dtype, device=grad.device), None
 
 
-class AuxLoss:
-    """``AuxLoss.apply(out, aux)``: identity on ``out``; in backward, adds d(aux)/d(router) scaled by
-    ``AuxLoss.scale`` (the trainer sets it to 1 / micro-batches so it matches the scaling of the main loss).
-
-    A plain class holding the scale, read when the forward runs: torch.compile cannot read attributes of an
-    autograd.Function class, and traces the backward ahead of time (a changed scale recompiles)."""
-
-    scale = 1.0
-
-    @staticmethod
-    def apply(out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
-        return _AddAuxGrad.apply(out, aux, AuxLoss.scale)
+def add_aux_loss(out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+    """Identity on ``out``; in backward, adds d(aux)/d(router) scaled by ``scale`` (the main loss's scaling).
+    The scale is a plain float read when the forward runs: compile traces the backward ahead of time, so a
+    changed scale recompiles."""
+    return _AddAuxGrad.apply(out, aux, scale)
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
@@ -144,14 +137,17 @@ class GroupedExperts(nn.Module):
 class MoDE(nn.Module):
     MAX_DOMAINS = 16
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, fused_activation: bool = False):
         super().__init__()
         self.n_experts, self.top_k, self.renormalize = args.n_experts, args.top_k, args.renormalize_gates
         self.aux_coef, self.z_coef = args.aux_loss_coef, args.router_z_loss_coef
         self.bias_update_rate = args.bias_update_rate
         self.router = nn.Linear(args.dim, args.n_experts, bias=False)
         self.experts = GroupedExperts(args.n_experts, args.dim, args.expert_hidden)
-        self.shared_expert = FeedForward(args.dim, args.expert_hidden) if args.shared_expert else None
+        self.shared_expert = FeedForward(args.dim, args.expert_hidden, fused=fused_activation) \
+            if args.shared_expert else None
+        # The balancing losses' gradient weight: the main loss's scaling (``Decoder.set_loss_scales``).
+        self.aux_grad_scale = 1.0
         # Auxiliary-loss-free balancing: added to the scores for selection only; saved in checkpoints.
         self.register_buffer("expert_bias", torch.zeros(args.n_experts), persistent=True)
         # Routed token copies per expert since the last read (metrics, bias updates); per rank. Integers:
@@ -228,7 +224,7 @@ class MoDE(nn.Module):
         out = (y * gates.unsqueeze(-1)).sum(dim=1).to(x.dtype)  # summed in float32 (the gates' dtype)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
-        return out if aux is None else AuxLoss.apply(out, aux)
+        return out if aux is None else add_aux_loss(out, aux, self.aux_grad_scale)
 
     @torch.no_grad()
     def _count_load(self, counts: torch.Tensor, flat: torch.Tensor, shape: torch.Size) -> None:

@@ -1,9 +1,9 @@
 """``training.kernels``: the blocks' fused Triton kernels or plain torch, chosen per module before compile.
 
-Modules carry a ``fused_kernels`` flag (default off); the Triton modules are imported only when a flagged
-module runs, so a torch-only install never needs Triton. Under tensor parallelism the residual stream and
-norms (and the QK-norm weights) are DTensors, which the custom ops do not take: there only the FFN activation
-(on each rank's local hidden columns) is fused.
+Modules carry a ``fused_kernels`` flag set from their ``ComputeOptions`` (default off); the Triton modules
+are imported only when a flagged module runs, so a torch-only install never needs Triton. Under tensor
+parallelism the residual stream and norms (and the QK-norm weights) are DTensors, which the custom ops do not
+take: there only the FFN activation (on each rank's local hidden columns) is fused.
 """
 
 from __future__ import annotations
@@ -19,18 +19,6 @@ def check_kernels(name: str, device: torch.device) -> str | None:
     if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return "training.kernels = 'triton' needs a CUDA GPU (or TRITON_INTERPRET=1 to emulate it on CPU)"
     return None
-
-
-def use_triton_kernels(model: nn.Module, tp: int) -> None:
-    """Flag the blocks (fused residual add + RMSNorm, unless TP), attentions (QK-norm + RoPE, unless TP) and
-    FFNs (fused activation) of ``model``."""
-    from torchtitan_ext.models.ffn import FeedForward
-
-    for module in model.modules():
-        if isinstance(module, FeedForward):
-            module.fused_kernels = True
-        elif (hasattr(module, "ffn_norm") or hasattr(module, "q_norm")) and tp == 1:
-            module.fused_kernels = True
 
 
 def add_rms_norm(x: torch.Tensor, y: torch.Tensor, norm: nn.RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,18 +17,12 @@ class _AddVirtualGrad(torch.autograd.Function):
         return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
 
 
-class VirtualLoss:
-    """``VirtualLoss.apply(out, virtual)``: identity on ``out``; in backward it also back-propagates the
-    scalar ``virtual`` with weight ``VirtualLoss.scale``, which the trainer sets to the main loss's
-    1 / micro-batches so the virtual loss is averaged exactly like the real one. ``out`` must lie on the
-    path to the loss (the attention output), so the gradient arrives during the attention backward, also in
-    pipeline stages that never see the loss."""
-
-    scale = 1.0
-
-    @staticmethod
-    def apply(out: torch.Tensor, virtual: torch.Tensor) -> torch.Tensor:
-        return _AddVirtualGrad.apply(out, virtual.float(), VirtualLoss.scale)
+def add_virtual_loss(out: torch.Tensor, virtual: torch.Tensor, scale: float) -> torch.Tensor:
+    """Identity on ``out``; in backward it also back-propagates the scalar ``virtual`` with weight ``scale``
+    (the main loss's 1 / micro-batches, so the virtual loss is averaged exactly like the real one). ``out``
+    must lie on the path to the loss (the attention output), so the gradient arrives during the attention
+    backward, also in pipeline stages that never see the loss."""
+    return _AddVirtualGrad.apply(out, virtual.float(), scale)
 
 
 def attention_z_virtual(lse: torch.Tensor, coef: float, n_heads: int, n_layers: int) -> torch.Tensor:

@@ -1,8 +1,10 @@
-"""Lay a meta-device Decoder out over the mesh, in torchtitan's order: TP -> EP -> AC -> compile -> FSDP."""
+"""Lay a meta-device Decoder out over the mesh, in torchtitan's order: TP -> EP -> AC -> compile -> FSDP.
+Converters (float8, QAT, INT8: ``quant/swap.py``) have already run on the model."""
 
 from __future__ import annotations
 
-import torch.distributed as dist
+import logging
+
 import torch.nn as nn
 
 from torchtitan_ext.comm.compressed_collectives import replicate_all_reduce_replaced
@@ -14,18 +16,13 @@ from torchtitan_ext.parallel.dims import ParallelDims
 from torchtitan_ext.parallel.ep import apply_ep
 from torchtitan_ext.parallel.fsdp import DTYPES, apply_fsdp
 from torchtitan_ext.parallel.tp import apply_tp, enable_async_tp
-from torchtitan_ext.quant.float8 import convert_to_float8
-from torchtitan_ext.quant.swap import apply_quant
+
+log = logging.getLogger(__name__)
 
 
 def parallelize_decoder(model: nn.Module, dims: ParallelDims, cfg: JobConfig, on_gpu: bool,
                         loss_parallel: bool) -> None:
     """Apply every parallelism except pipelining (which splits the model first) to one model part."""
-    for line in apply_quant(model, cfg):  # QAT / INT8 swaps, before TP and FSDP like float8
-        if dist.get_rank() == 0:
-            print(line)
-    if cfg.float8.enabled:  # before TP and FSDP: they shard the Float8Linear weights
-        convert_to_float8(model, cfg.float8, log=print if dist.get_rank() == 0 else lambda msg: None)
     if dims.tp > 1:
         apply_tp(model, dims.submesh("tp"), loss_parallel)
         if cfg.parallelism.async_tp:
@@ -36,14 +33,14 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, cfg: JobConfig, on
     moe_under_tp = dims.tp > 1 and has_moe
     moe_fsdp_units = dims.ep > 1 or moe_under_tp  # the experts (EP) or the MoDE layers (TP) shard on their own
     ac = cfg.activation_checkpoint
-    if apply_activation_checkpointing(model, ac.mode, ac.selective_every, moe_fsdp_units) and dist.get_rank() == 0:
-        print("activation_checkpoint: MoDE blocks under EP/TP are recomputed in full (torch's op-level "
+    if apply_activation_checkpointing(model, ac.mode, ac.selective_every, moe_fsdp_units):
+        log.info("activation_checkpoint: MoDE blocks under EP/TP are recomputed in full (torch's op-level "
               "selective checkpointing cannot wrap their FSDP units); other blocks use the op-level policy")
     if cfg.training.compile:  # experts join the block's graph only on GPU and outside their own FSDP units
         apply_compile(model, experts_in_graph=on_gpu and not moe_fsdp_units, tensor_parallel=dims.tp > 1,
                       compile_head=cfg.float8.enabled and cfg.float8.include_output)
-        if dims.tp > 1 and model.tok_embeddings is not None and dist.get_rank() == 0:
-            print("compile: under TP the embedding's reduce-scatter completes before the first compiled block "
+        if dims.tp > 1 and model.tok_embeddings is not None:
+            log.info("compile: under TP the embedding's reduce-scatter completes before the first compiled block "
                   "(torch 2.13 loses the gradient of an in-flight one: benchmarks/repro_tp_compile.py)")
     if dims.fsdp_enabled or moe_under_tp:
         param_dtype = DTYPES[cfg.training.mixed_precision_param] if on_gpu and dims.fsdp_enabled \

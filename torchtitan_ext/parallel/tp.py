@@ -24,7 +24,6 @@ from torch.distributed.tensor.parallel import (
 from torchtitan_ext.config.loader import ConfigError
 from torchtitan_ext.models.args import ModelArgs
 from torchtitan_ext.models.mode import MoDE
-from torchtitan_ext.quant.qat import QATFeedForward
 
 
 def check_tp(args: ModelArgs, tp: int) -> None:
@@ -90,7 +89,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, loss_parallel: bool) -> None:
             plan["feed_forward.w2"] = RowwiseParallel(output_layouts=Shard(1), use_local_output=local)
             if block.feed_forward.w3 is not None:
                 plan["feed_forward.w3"] = ColwiseParallel()
-            if isinstance(block.feed_forward, QATFeedForward):  # computes on the DTensor weights itself and
+            if getattr(block.feed_forward, "returns_partial_sums", False):  # QAT: its own DTensor matmuls, so
                 plan["feed_forward"] = PrepareModuleInputOutput(  # returns w2's partial sums: reduce-scatter
                     input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), output_layouts=(Partial(),),
                     desired_output_layouts=(Shard(1),), use_local_output=local)

@@ -79,6 +79,8 @@ class QATFeedForward(nn.Module):
         if ffn.w3 is not None:
             raise ValueError("QAT needs squared-ReLU FFNs (model activation 'relu2'), not SwiGLU")
         self.w1, self.w2, self.w3 = ffn.w1, ffn.w2, None
+        # It computes on the DTensor weights itself and returns w2's partial sums (the TP plan reads this).
+        self.returns_partial_sums = True
         self.clamp, self.clamp_factor = clamp, clamp_factor
 
     def middle(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,5 @@
-"""``[quant]``: QAT and INT8-forward module swaps on the meta model, before TP and FSDP (like float8)."""
+"""The model converters: QAT, INT8-forward and float8 module swaps on the meta model, which the builder runs
+before ``parallelize`` (TP and FSDP then shard the swapped modules' weights)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,17 @@ import torch.nn as nn
 
 from torchtitan_ext.config.job_config import JobConfig
 from torchtitan_ext.config.loader import ConfigError
+from torchtitan_ext.quant.float8 import convert_to_float8
 from torchtitan_ext.quant.int8 import apply_int8_forward
 from torchtitan_ext.quant.qat import apply_qat
+
+
+def convert_model(model: nn.Module, cfg: JobConfig) -> list[str]:
+    """Apply every configured converter; returns log lines. Unsupported combinations raise ConfigError."""
+    lines = apply_quant(model, cfg)
+    if cfg.float8.enabled:
+        convert_to_float8(model, cfg.float8, log=lines.append)
+    return lines
 
 
 def apply_quant(model: nn.Module, cfg: JobConfig) -> list[str]:

@@ -2,7 +2,12 @@
 
 User mistakes (config, layout, data files) end with one ``error:`` line and exit code 2; a diverged
 run (NaN loss, or gradients non-finite for training.max_skipped_steps steps in a row) ends with exit
-code 3; a preempted run (SIGTERM / SIGUSR1) saves and ends with 0; anything else is a bug and keeps its traceback.
+code 3; a preempted run (SIGTERM / SIGUSR1) saves and ends with 0; anything else is a bug and keeps its traceback
+(``torchtitan_ext.cli.run_tool``).
+
+Rank 0 logs to the console; every rank's output (log messages, warnings, a traceback) also goes to
+``<dump_folder>/logs/rank-<rank>.log``: rank 0's console through ``metrics.logger.rank_log``, the other
+ranks' log messages through their logging handler, their stdout and stderr through ``rank_log``.
 
 After a successful run (metrics closed, checkpoints written, process group destroyed) the process leaves
 without interpreter teardown: in CI, pipeline-parallel gloo runs that had finished every step were aborted
@@ -13,50 +18,38 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import torch.distributed as dist
 
-from torchtitan_ext.config.loader import ConfigError, help_text, parse_args
+from torchtitan_ext.cli import exit_now, run_tool, setup_logging
+from torchtitan_ext.config.loader import help_text, parse_args
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def _train(argv: list[str]) -> int:
     if "-h" in argv or "--help" in argv:
         print(help_text())
         return 0
-    try:
-        cfg = parse_args(argv)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
-    from torchtitan_ext.checkpoint.manager import CheckpointUnreadable
-    from torchtitan_ext.data.shards import ShardError
+    cfg = parse_args(argv)
     from torchtitan_ext.metrics.logger import rank_log
-    from torchtitan_ext.parallel.dims import ParallelDimsError
-    from torchtitan_ext.train.nonfinite import NonFiniteGradients
-    from torchtitan_ext.train.trainer import Trainer, TrainingDiverged
+    from torchtitan_ext.train.trainer import Trainer
 
-    try:
-        with rank_log(cfg.job.dump_folder, int(os.environ.get("RANK", 0))):
-            Trainer(cfg).train()
-        if dist.is_initialized():
-            dist.barrier()  # gloo may abort at exit after FSDP2 work without it
-    except (ConfigError, ParallelDimsError, ShardError, FileNotFoundError, CheckpointUnreadable) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
-    except (TrainingDiverged, NonFiniteGradients) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 3
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    rank = int(os.environ.get("RANK", 0))
+    setup_logging(rank, Path(cfg.job.dump_folder) / "logs" / f"rank-{rank}.log")
+    with rank_log(cfg.job.dump_folder, rank):
+        Trainer(cfg).train()
+    if dist.is_initialized():
+        dist.barrier()  # gloo may abort at exit after FSDP2 work without it
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Train; the exit code (the process group is destroyed either way)."""
+    return run_tool(_train, argv)
 
 
 if __name__ == "__main__":
     code = main()
     if code != 0:
         sys.exit(code)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now(0)

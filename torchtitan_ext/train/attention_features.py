@@ -10,7 +10,7 @@ import torch.nn as nn
 from torchtitan_ext.config.loader import ConfigError
 from torchtitan_ext.data.documents import Documents
 from torchtitan_ext.models.decoder import Attention, Decoder
-from torchtitan_ext.ops.zreg import VirtualLoss, output_z_term
+from torchtitan_ext.ops.zreg import output_z_term
 from torchtitan_ext.parallel.pp import layer_ranges
 
 
@@ -36,8 +36,10 @@ def pipeline_mask_args(inputs: torch.Tensor, model_kwargs: dict) -> tuple[torch.
 
 
 class AttentionFeatures:
-    def __init__(self, cfg, dims, parts: list[nn.Module], n_layers: int, eot_id: int | None, accum_steps: int,
-                 loaders):
+    def __init__(self, cfg, dims, parts: list[nn.Module], n_layers: int, eot_id: int | None,
+                 *, documents: Documents | None = None):
+        """``documents``: the data layer's helper for data.attention = "document" (``DataBundle.documents``,
+        already given to the loaders); batches without visibility get theirs from it."""
         t, d = cfg.training, cfg.data
         self.output_z_reg = t.output_z_reg
         if d.position_reset and d.attention == "causal":
@@ -48,21 +50,13 @@ class AttentionFeatures:
         if cfg.model.kv_share != "none" and dims.pp > 1:
             p = cfg.parallelism
             check_kv_share_split(n_layers, dims.pp * p.pp_virtual_stages, p.pp_split_points, cfg.model.kv_share_group)
-        self.documents = None
-        if d.attention == "document":
+        self.documents = documents if d.attention == "document" else None
+        if d.attention == "document" and documents is None:
             if eot_id is None:
                 raise ConfigError("data.attention = 'document' needs a tokenizer with an end-of-text token")
             self.documents = Documents(eot_id, d.position_reset)
-            for loader in loaders:  # loaders that know their windows' places also continue cut documents
-                if loader is not None and hasattr(loader, "documents"):
-                    loader.documents = self.documents
-        # The virtual loss is scaled like the main loss (1 / micro-batches); the pipeline schedule divides
-        # every gradient by its micro-batch count itself.
-        VirtualLoss.scale = 1.0 / accum_steps
         self.attentions = {f"{name}": m for part in parts for name, m in part.named_modules()
                            if isinstance(m, Attention)}
-        for m in self.attentions.values():
-            m.z_reg = t.attention_z_reg
         self.decoders = [m for part in parts for m in part.modules() if isinstance(m, Decoder)]
         if t.compile and cfg.activation_checkpoint.mode != "none":
             # Recording the LSE metric sets an attribute in the forward; a compiled checkpointed block must
@@ -72,7 +66,6 @@ class AttentionFeatures:
 
             if hasattr(dynamo_config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
                 dynamo_config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
-        self.z_reg = t.attention_z_reg
         self.record_lse(False)
 
     def model_kwargs(self, batch, device: torch.device) -> dict:
@@ -93,10 +86,8 @@ class AttentionFeatures:
 
     def record_lse(self, on: bool) -> None:
         """Record each layer's mean LSE in the coming step (a log step)."""
-        for m in self.attentions.values():
-            m.record_lse, m.lse_mean = on, None
         for m in self.decoders:
-            m.causal_flex = on or self.z_reg > 0
+            m.record_attention_lse(on)
 
     def metrics(self) -> dict[str, float]:
         """``attn/lse/<layer>``: the mean log-sum-exp of the attention logits, from the last micro-batch."""

@@ -25,14 +25,14 @@ def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor, z_loss: float
 
 def fused_head_loss(parts: list[nn.Module], dims, chunk: int, softcap: float) -> Callable:
     """A loss ``(hidden, labels, z_loss)`` applying the model's head (or tied embedding) in token chunks
-    (``ops/linear_cross_entropy.py``); switches the model to return hidden states. Under TP the head's rows
-    (the vocabulary) stay split: each rank gathers the sequence-sharded hidden states and scores its slice of
-    the vocabulary (the vocabulary-parallel form). Refuses the layouts it does not cover with one line."""
+    (``ops/linear_cross_entropy.py``); the model returns hidden states (``ComputeOptions.return_hidden``).
+    Under TP the head's rows (the vocabulary) stay split: each rank gathers the sequence-sharded hidden states
+    and scores its slice of the vocabulary (the vocabulary-parallel form). Refuses the layouts it does not
+    cover with one line."""
     if dims.pp > 1 or dims.ddp_enabled:
         raise ConfigError("training.fused_linear_ce runs with FSDP/HSDP, TP or one process; not with pp > 1 or "
                           "parallelism.dp_mode = 'ddp'")
     model = parts[0]
-    model.return_hidden = True
     head_module = model.output if model.output is not None else model.tok_embeddings
     tp_group = dims.submesh("tp").get_group() if dims.tp > 1 else None  # TP checked that tp divides the vocab
 

@@ -1,13 +1,12 @@
-"""The training job: config -> mesh -> model on meta -> parallelize -> materialise -> data, optimizer,
-checkpoint -> loop. Each stage is one call; the loop reads like the list in the README."""
+"""The training loop: queued steps, gradient accumulation, pipeline schedules, evaluation, metrics, saves.
+The run is built by ``train/build.py``; the loop reads like the list in the README."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
+import logging
 import math
-import os
 import time
 from pathlib import Path
 
@@ -16,44 +15,27 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from torchtitan_ext.checkpoint.hf import load_hf_weights
 from torchtitan_ext.checkpoint.manager import CheckpointManager, ModelParts
-from torchtitan_ext.comm.compressed_collectives import CommStats, apply_gradient_compression
 from torchtitan_ext.config.job_config import JobConfig
-from torchtitan_ext.config.loader import ConfigError, to_toml
-from torchtitan_ext.data.loader import build_data
-from torchtitan_ext.data.shards import loader_shards, scan_shards
+from torchtitan_ext.config.loader import to_toml
 from torchtitan_ext.distill.student import Distillation
 from torchtitan_ext.errors import RunStopped
 from torchtitan_ext.eval.bpb import batch_sums, summarize, token_bytes
-from torchtitan_ext.eval.sliding import check_trainer_stride, token_weighted_mean, trainer_batches
+from torchtitan_ext.eval.sliding import token_weighted_mean, trainer_batches
 from torchtitan_ext.metrics.logger import MetricsLogger, flops_per_token, peak_flops
 from torchtitan_ext.metrics.profiling import Profiling
-from torchtitan_ext.models.decoder import Decoder
-from torchtitan_ext.models.flavors import resolve_model_args
-from torchtitan_ext.models.mode import AuxLoss
-from torchtitan_ext.models.param_count import count_params
-from torchtitan_ext.ops.attention_backend import attention_backend
-from torchtitan_ext.ops.kernels import check_kernels, use_triton_kernels
-from torchtitan_ext.parallel.dims import ParallelDims
-from torchtitan_ext.parallel.ep import check_ep
-from torchtitan_ext.parallel.fsdp import apply_ddp
 from torchtitan_ext.parallel.grad_norm import grad_norm
-from torchtitan_ext.parallel.init import materialize_and_init
-from torchtitan_ext.parallel.parallelize import parallelize_decoder
-from torchtitan_ext.parallel.pp import build_schedule, check_schedule, split_stages
-from torchtitan_ext.parallel.tp import check_tp
-from torchtitan_ext.quant.float8 import check_float8_supported, precompute_float8_scales
+from torchtitan_ext.parallel.pp import build_schedule
+from torchtitan_ext.quant.float8 import precompute_float8_scales
 from torchtitan_ext.train.attention_features import AttentionFeatures, pipeline_mask_args
-from torchtitan_ext.train.batch_warmup import BatchWarmup
-from torchtitan_ext.train.determinism import make_deterministic
-from torchtitan_ext.train.ema import EMA
+from torchtitan_ext.train.build import BuiltModel, BuiltRun, build_run, forward_context, pp_microbatches
 from torchtitan_ext.train.losses import cross_entropy_loss, fused_head_loss
 from torchtitan_ext.train.lr_schedule import lr_multiplier
 from torchtitan_ext.train.moe_balance import balance_experts, set_token_domains
-from torchtitan_ext.train.nonfinite import NonFiniteGuard
-from torchtitan_ext.train.optim import Optimizers
 from torchtitan_ext.train.preemption import Preemption
-from torchtitan_ext.train.spike_guard import SpikeGuard
+
+log = logging.getLogger(__name__)
 
 
 def _plain(x: torch.Tensor) -> torch.Tensor:
@@ -74,190 +56,99 @@ class QueuedStep:
     lr: float
 
 
-def init_distributed(device_type: str, timeout_seconds: int = 1800) -> None:
-    """torchrun sets RANK/WORLD_SIZE; a plain ``python -m`` run becomes a world of one. ``timeout_seconds``:
-    how long a collective may hang (a dead peer) before the job fails and torchrun can restart it."""
-    if dist.is_initialized():
-        return
-    backend = "cuda:nccl,cpu:gloo" if device_type == "cuda" else "gloo"
-    timeout = datetime.timedelta(seconds=timeout_seconds)
-    if "TORCHELASTIC_RESTART_COUNT" in os.environ:  # torchrun keeps its store across restarts: a fresh prefix
-        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))  # hides the dead workers' keys
-        store = dist.PrefixStore(f"attempt-{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-    elif "RANK" in os.environ:
-        dist.init_process_group(backend, timeout=timeout)
-    else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-
-
 class Trainer:
-    def __init__(self, cfg: JobConfig):
-        self.cfg = cfg
-        want_cuda = cfg.job.device == "cuda" or (cfg.job.device == "auto" and torch.cuda.is_available())
-        if want_cuda and not torch.cuda.is_available():
-            raise ConfigError("job.device = 'cuda' but no CUDA device is visible")
-        self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if want_cuda \
-            else torch.device("cpu")
-        check_float8_supported(cfg.float8, self.device, cfg.training.fused_linear_ce)
-        if (why := check_kernels(cfg.training.kernels, self.device)) is not None:
-            raise ConfigError(why)
-        if cfg.training.deterministic:  # before CUDA starts: cuBLAS reads its workspace setting once
-            make_deterministic(cfg.job.seed)
-        if want_cuda:
-            torch.cuda.set_device(self.device)
-        init_distributed(self.device.type, cfg.comm.timeout_seconds)
-        self.rank, world = dist.get_rank(), dist.get_world_size()
-        self.dims = dims = ParallelDims.from_config(cfg.parallelism, world)
-        t = cfg.training
-        per_step = t.local_batch_size * dims.dp
-        gbs = per_step if t.global_batch_size == -1 else t.global_batch_size
-        if gbs % per_step:
-            raise ConfigError(f"training.global_batch_size = {gbs} must be a multiple of local_batch_size x "
-                              f"data-parallel degree = {t.local_batch_size} x {dims.dp}")
-        self.accum_steps = gbs // per_step
-        self.global_batch_size = gbs
-        self.tokens_per_micro = per_step * t.seq_len  # one micro-batch over all data-parallel ranks
-        self.batch_warmup = BatchWarmup(self.accum_steps, min(t.batch_warmup_start, self.accum_steps),
-                                        self.tokens_per_micro, t.batch_warmup_tokens, t.steps) \
-            if t.batch_warmup_tokens else None
-        if cfg.eval.use_ema and not cfg.ema.decay:
-            raise ConfigError("eval.use_ema = true needs an EMA: set ema.decay (for example 0.999)")
+    """The loop and nothing else: it receives the built run (``train/build.py``), adds what needs the loop
+    itself (the loss, the pipeline schedule, the checkpointed state), resumes, and trains."""
 
-        self.log(f"parallelism: {dims.describe()}; device {self.device.type}")
-        self.profiling = Profiling(cfg.profiling, cfg.job.dump_folder, self.rank, self.device, self.log)
-
-        d = cfg.data
-        self.tokenizer, self.loader, self.val_loader = build_data(
-            dataset=d.dataset, train_path=d.train_path, val_path=d.val_path, tokenizer=d.tokenizer,
-            tokenizer_vocab_size=d.tokenizer_vocab_size, cache_dir=os.path.expanduser(d.cache_dir),
-            seq_len=t.seq_len, local_batch_size=t.local_batch_size, dp_rank=dims.dp_rank,
-            attention=d.attention, position_reset=d.position_reset,
-            dp_world_size=dims.dp, seed=cfg.job.seed, shuffle=d.shuffle, packing=d.packing,
-            domains=dict(domains=d.domains, mixing=d.mixing, rate=d.mixing_rate, floor=d.mixing_floor,
-                         cap=d.mixing_cap))
-        check_trainer_stride(cfg, self.val_loader)
-
-        self.model_args = margs = resolve_model_args(cfg, self.tokenizer.vocab_size)
-        self.token_bytes = token_bytes(self.tokenizer, margs.vocab_size)  # for val_bpb
+    def __init__(self, cfg: JobConfig, run: BuiltRun | None = None):
+        run = run if run is not None else build_run(cfg)
+        self.cfg, self.run = cfg, run
+        self.device, self.rank, self.dims = run.runtime.device, run.runtime.rank, run.runtime.dims
+        self.batches = run.batches
+        self.accum_steps, self.global_batch_size = run.batches.accum_steps, run.batches.global_batch_size
+        self.tokenizer, self.loader, self.val_loader = run.tokenizer, run.data.loader, run.data.val_loader
+        self.model_args, self.model_parts = run.model.args, run.model.parts
+        self.loss_parallel = run.model.loss_parallel
+        tr = run.training
+        self.optimizers, self.spike_guard, self.nonfinite = tr.optimizers, tr.spike_guard, tr.nonfinite
+        self.ema = tr.ema
+        self.compression, self.comm_stats = tr.compression, tr.comm_stats
+        self.profiling = Profiling(cfg.profiling, cfg.job.dump_folder, self.rank, self.device, log.info)
+        self.token_bytes = token_bytes(self.tokenizer, self.model_args.vocab_size)  # for val_bpb
         if self.token_bytes is not None:
             self.token_bytes = self.token_bytes.to(self.device)
-        for loader in (self.loader, self.val_loader):
-            if loader is not None:
-                loader.vocab_limit = margs.vocab_size
-        scan_shards(loader_shards(self.loader) + loader_shards(self.val_loader), margs.vocab_size,
-                    os.path.expanduser(d.cache_dir))  # a bad shard stops the job now, not at its batch
-        with torch.device("meta"):
-            model = Decoder(margs)
-        if cfg.training.kernels == "triton":
-            use_triton_kernels(model, dims.tp)
-        counts = count_params(margs)
-        self.log(f"model {cfg.model.flavor}: {counts['total']:,} parameters "
-                 f"({counts['active']:,} active per token, {counts['embedding']:,} embedding); KV cache "
-                 f"{counts['kv_per_token']:,} values per token")
-        plan = model.init_plan()
-        self.loss_parallel = dims.tp > 1 and dims.pp == 1  # a last pipeline stage gathers its logits
-        try:
-            if dims.tp > 1:
-                check_tp(margs, dims.tp)
-                if t.seq_len % dims.tp:  # sequence parallel splits each sequence evenly over the TP ranks
-                    raise ValueError(f"training.seq_len = {t.seq_len} must be divisible by parallelism.tp = "
-                                     f"{dims.tp} (sequence parallel shards the sequence)")
-            if dims.ep > 1:
-                check_ep(margs.n_experts, dims.ep, dims.tp)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        self.pp_schedule = None
-        if dims.pp > 1:
-            p = cfg.parallelism
-            self.pp_microbatches = p.pp_microbatches or dims.pp * p.pp_virtual_stages
-            check_schedule(p.pp_schedule, p.pp_virtual_stages, self.pp_microbatches, dims.pp, t.local_batch_size)
-            stages = split_stages(model, dims.submesh("pp").get_local_rank(), dims.pp, p.pp_virtual_stages,
-                                  p.pp_schedule, p.pp_split_points)
-            self.model_parts = [m for _, m in stages]
-        else:
-            self.model_parts = [model]
-        for part in self.model_parts:
-            parallelize_decoder(part, dims, cfg, on_gpu=self.device.type == "cuda",
-                                loss_parallel=self.loss_parallel)
-            materialize_and_init(part, self.device, cfg.job.seed, plan)
-            part.init_buffers(self.device)
-            part.train()
-        if dims.pp > 1:
-            n_stages = dims.pp * cfg.parallelism.pp_virtual_stages
-            self.pp_has_first = any(sid == 0 for sid, _ in stages)
-            self.pp_has_last = any(sid == n_stages - 1 for sid, _ in stages)
-            self.pp_schedule = build_schedule(
-                stages, n_stages, self.device, dims.submesh("pp").get_group(), cfg.parallelism.pp_schedule,
-                self.pp_microbatches, self._pipeline_loss, carry_mask=cfg.data.attention != "causal")
-        if dims.ddp_enabled:
-            self.model_parts = [apply_ddp(m, dims.submesh("dp")) for m in self.model_parts]
-        self.comm_stats: CommStats | None = CommStats()  # gradient bytes handed to the DP collectives
-        self.compression = apply_gradient_compression(self.model_parts, cfg.comm, dims, self.comm_stats,
-                                                      log=self.log)
-        if self.compression is None:
-            self.comm_stats = None
-        # Balancing losses scale like the main loss; under TP each rank averages them over its own slice of
-        # the sequence and the slices' gradients are summed (see parallel/fsdp.py).
-        AuxLoss.scale = 1.0 / (self.accum_steps * dims.tp)
-        self.has_moe = margs.n_experts > 0
-        self.use_autocast = self.device.type == "cuda" and not dims.fsdp_enabled and \
-            cfg.training.mixed_precision_param == "bfloat16"
-
-        # Compiled, the loss fuses the float32 upcast of the logits into the cross-entropy kernels.
-        compile_loss = cfg.training.compile and not self.loss_parallel
-        self.loss_fn = torch.compile(cross_entropy_loss) if compile_loss else cross_entropy_loss
-        if t.fused_linear_ce:  # the model returns hidden states; the loss applies the head in token chunks
-            self.loss_fn = fused_head_loss(self.model_parts, dims, t.fused_linear_ce_chunk, margs.logit_softcap)
+        self.has_moe = self.model_args.n_experts > 0
         # Ranks that route different tokens through the MoDE layers: data-parallel ranks, and under TP each
         # TP rank's slice of the sequence; expert loads are summed over them.
-        moe_mesh = "dp_tp" if dims.tp > 1 else "dp"
-        self.moe_group = dims.submesh(moe_mesh).get_group() if self.has_moe and dims.dp * dims.tp > 1 else None
-        self.optimizers = Optimizers(self.model_parts, cfg.optimizer)
-        self.spike_guard = SpikeGuard(t.spike_factor, t.spike_window, t.spike_lr_scale, t.spike_guard)
-        self.nonfinite = NonFiniteGuard(t.max_skipped_steps, self.log)
+        moe_mesh = "dp_tp" if self.dims.tp > 1 else "dp"
+        self.moe_group = self.dims.submesh(moe_mesh).get_group() \
+            if self.has_moe and self.dims.dp * self.dims.tp > 1 else None
+        self.loss_fn = self._build_loss()
+        self.pp_microbatches = pp_microbatches(cfg, self.dims) if self.dims.pp > 1 else 1
+        self.distill = Distillation(cfg, self.loader, self.model_args.vocab_size, self.pp_microbatches) \
+            if cfg.distill.path else None
+        self.attn = AttentionFeatures(cfg, self.dims, self.model_parts, self.model_args.n_layers,
+                                      getattr(self.tokenizer, "eot_id", None), documents=run.data.documents)
+        self.pp_schedule = self._build_pipeline(run.model) if self.dims.pp > 1 else None
         self.preemption = Preemption(self.device)
-        self.last_eval_step = -1
-        self.step = 0
-        # Error-feedback residuals are rank-local: saved per rank, restored only under the same layout.
+        self.last_eval_step, self.step, self._loss_scales = -1, 0, (1.0, 1.0)
+        self.checkpointer = self._build_checkpointer()
+        self._resume()
+        counts, a = run.model.counts, self.model_args
+        self.flops_per_token = flops_per_token(
+            counts["active"] - counts["embedding"] + (counts["embedding"] if a.tie_embeddings else 0),
+            a.n_layers, a.n_heads, a.head_dim or a.dim // a.n_heads, cfg.training.seq_len)
+        self.peak_flops = peak_flops()
+
+    def _build_loss(self):
+        """Compiled, the loss fuses the float32 upcast of the logits into the cross-entropy kernels; with
+        training.fused_linear_ce the model returns hidden states and the loss applies the head in chunks."""
+        t = self.cfg.training
+        if t.fused_linear_ce:
+            return fused_head_loss(self.model_parts, self.dims, t.fused_linear_ce_chunk, self.model_args.logit_softcap)
+        return torch.compile(cross_entropy_loss) if t.compile and not self.loss_parallel else cross_entropy_loss
+
+    def _build_pipeline(self, model: BuiltModel):
+        p, n_stages = self.cfg.parallelism, self.dims.pp * self.cfg.parallelism.pp_virtual_stages
+        self.pp_has_first = any(sid == 0 for sid, _ in model.stages)
+        self.pp_has_last = any(sid == n_stages - 1 for sid, _ in model.stages)
+        return build_schedule(model.stages, n_stages, self.device, self.dims.submesh("pp").get_group(),
+                              p.pp_schedule, self.pp_microbatches, self._pipeline_loss,
+                              carry_mask=self.cfg.data.attention != "causal")
+
+    def _build_checkpointer(self) -> CheckpointManager:
+        """Model, optimizer, loader, this trainer's progress and the EMA; error-feedback residuals are
+        rank-local: saved per rank, restored only under the same layout."""
+        cfg, dims = self.cfg, self.dims
         residuals = self.compression if self.compression is not None and cfg.comm.error_feedback else None
         layout = dims.describe()
         if dims.pp > 1:
             p = cfg.parallelism
             layout += (f"; pp schedule {p.pp_schedule}, {p.pp_virtual_stages} virtual stages, "
                        f"split points {p.pp_split_points}")
-        self.distill = Distillation(cfg, self.loader, margs.vocab_size, self.pp_microbatches if dims.pp > 1 else 1) \
-            if cfg.distill.path else None
-        self.attn = AttentionFeatures(cfg, dims, self.model_parts, margs.n_layers,
-                                      getattr(self.tokenizer, "eot_id", None), self.accum_steps,
-                                      (self.loader, self.val_loader))
-        self.ema = EMA(self.model_parts, cfg.ema.decay, cfg.ema.every, cfg.ema.start_step) if cfg.ema.decay else None
-        self.checkpointer = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, {
-            "model": ModelParts(self.model_parts), "optimizer": self.optimizers,
-            "dataloader": self.loader, "train_state": self, **({"ema": self.ema} if self.ema else {})},
-            residuals=residuals, layout=layout, log=self.log)
-        self.step = self.checkpointer.load()
-        if not self.step and cfg.checkpoint.initial_load_path:  # a fresh job starting from exported weights
-            from torchtitan_ext.export import load_hf_weights
+        states = {"model": ModelParts(self.model_parts), "optimizer": self.optimizers, "dataloader": self.loader,
+                  "train_state": self, **({"ema": self.ema} if self.ema else {})}
+        return CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, states, residuals=residuals, layout=layout,
+                                 log=log.info)
 
-            load_hf_weights(self.model_parts, cfg.checkpoint.initial_load_path, margs)
-            self.log(f"initial weights from {cfg.checkpoint.initial_load_path}")
+    def _resume(self) -> None:
+        """The latest complete checkpoint, else exported weights for a fresh job; then the metrics files
+        (their records past the resumed step dropped) and the resolved config beside them."""
+        cfg = self.cfg
+        self.step = self.checkpointer.load()
+        if not self.step and cfg.checkpoint.initial_load_path:
+            load_hf_weights(self.model_parts, cfg.checkpoint.initial_load_path, self.model_args)
+            log.info(f"initial weights from {cfg.checkpoint.initial_load_path}")
         if self.step:
-            self.log(f"resumed from {self.checkpointer.folder}/step-{self.step}")
+            log.info(f"resumed from {self.checkpointer.folder}/step-{self.step}")
         self.metrics = MetricsLogger(cfg.job.dump_folder, self.rank, cfg.metrics.tensorboard, cfg.metrics.jsonl,
                                      resume_step=self.step)
         if self.rank == 0:  # only a config that passed every check above replaces the previous one
             (Path(cfg.job.dump_folder) / "config.toml").write_text(to_toml(cfg))
-        self.flops_per_token = flops_per_token(
-            counts["active"] - counts["embedding"] + (counts["embedding"] if margs.tie_embeddings else 0),
-            margs.n_layers, margs.n_heads, margs.head_dim or margs.dim // margs.n_heads, t.seq_len)
-        self.peak_flops = peak_flops()
 
     def tokens_through(self, step: int) -> int:
         """Training tokens consumed by steps 1..step (all ranks), batch warmup included."""
-        if self.batch_warmup is not None:
-            return self.batch_warmup.tokens_through(step)
-        return step * self.accum_steps * self.tokens_per_micro
+        return self.batches.tokens_through(step)
 
     # Stateful: the trainer's own progress, saved beside the model.
     def state_dict(self) -> dict:
@@ -267,17 +158,8 @@ class Trainer:
         self.step = state["step"]
         self.spike_guard.load_state_dict(state["spike_guard"], self.step)
 
-    def log(self, msg: str) -> None:
-        if self.rank == 0:
-            print(msg, flush=True)
-
     def _autocast(self) -> contextlib.ExitStack:
-        """bf16 autocast when FSDP does not cast the parameters itself, and the chosen SDPA backend."""
-        stack = contextlib.ExitStack()
-        if self.use_autocast:
-            stack.enter_context(torch.autocast("cuda", dtype=torch.bfloat16))
-        stack.enter_context(attention_backend(self.cfg.training.attention_backend, self.device))
-        return stack
+        return forward_context(self.cfg, self.run.runtime)
 
     def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Per micro-batch on the last stage; the schedule averages over its micro-batches. With distillation
@@ -356,18 +238,29 @@ class Trainer:
                 f"{self.checkpointer.folder} is intact). Lower optimizer.lr or check the data.")
         t = self.cfg.training
         if self.spike_guard.observe(queued.step, loss):
-            self.log(f"step {queued.step}: loss spike {loss:.4f}; LR x {t.spike_lr_scale} for steps "
+            log.info(f"step {queued.step}: loss spike {loss:.4f}; LR x {t.spike_lr_scale} for steps "
                      f"{self.spike_guard.cut_from}-{self.spike_guard.cut_to}")
         return loss, norm, queued.lr
+
+    def _scale_virtual_losses(self) -> None:
+        """The losses that enter only the backward pass (MoDE balancing, attention Z-reg) are weighted like
+        the main loss, 1 / micro-batches; under TP each rank averages the balancing losses over its own slice
+        of the sequence and the slices' gradients are summed (see parallel/fsdp.py), hence also 1 / TP."""
+        scales = (1.0 / (self.accum_steps * self.dims.tp), 1.0 / self.accum_steps)
+        if scales != self._loss_scales:
+            for decoder in self.attn.decoders:
+                decoder.set_loss_scales(*scales)
+            self._loss_scales = scales
 
     def queue_step(self) -> QueuedStep:
         """Hand one step to the device without reading anything back (the expert-parallel dispatch's split
         sizes and unfused optimizers excepted), so the host prepares the next step while this one runs."""
         clock = (self.step, self.cfg.training.steps)
-        if self.batch_warmup is not None:  # this step's micro-batches; the LR schedule runs on tokens
-            self.accum_steps = self.batch_warmup.micro_batches(self.step)
-            AuxLoss.scale = 1.0 / (self.accum_steps * self.dims.tp)
-            clock = tuple(self.batch_warmup.effective_step(s) for s in clock)
+        warmup = self.batches.warmup
+        if warmup is not None:  # this step's micro-batches; the LR schedule runs on tokens
+            self.accum_steps = warmup.micro_batches(self.step)
+            clock = tuple(warmup.effective_step(s) for s in clock)
+        self._scale_virtual_losses()
         lr = self.cfg.optimizer.lr * lr_multiplier(*clock, self.cfg.lr_scheduler)
         lr *= self.spike_guard.lr_factor(self.step)
         self.optimizers.set_lr(lr)
@@ -427,7 +320,7 @@ class Trainer:
         if self.val_loader is None or self.cfg.eval.steps == 0:
             return None
         if self.pp_schedule is not None and not hasattr(self.pp_schedule, "eval"):
-            self.log("evaluation skipped: this torch's pipeline schedules have no eval()")
+            log.info("evaluation skipped: this torch's pipeline schedules have no eval()")
             return None
         for m in self.model_parts:
             m.eval()
@@ -475,7 +368,7 @@ class Trainer:
         step N+1 while the GPU runs step N; logging, evaluation, checkpoint and preemption steps, and the
         last one, are read back at once."""
         cfg, t = self.cfg, self.cfg.training
-        self.log(f"training {t.steps} steps from step {self.step}: global batch {self.global_batch_size} x "
+        log.info(f"training {t.steps} steps from step {self.step}: global batch {self.global_batch_size} x "
                  f"{t.seq_len} tokens, {self.accum_steps} micro-batches")
         window_start, window_steps = time.perf_counter(), 0
         if self.device.type == "cuda":
@@ -530,7 +423,7 @@ class Trainer:
             if preempted:  # every rank stops after this same step
                 if self.checkpointer.cfg.enabled:
                     self.checkpointer.save(self.step, wait=True)
-                self.log(f"preempted (signal) after step {self.step}: " + (
+                log.info(f"preempted (signal) after step {self.step}: " + (
                     f"saved {self.checkpointer.folder}/step-{self.step}; exiting" if self.checkpointer.cfg.enabled
                     else "checkpoint.enabled = false, nothing saved; exiting"))
                 return
@@ -539,5 +432,5 @@ class Trainer:
         self.checkpointer.finish_pending()
         val = self.evaluate() if self.last_eval_step != self.step else None  # not twice for the last step
         if val is not None:
-            self.log(f"validation loss {val:.4f}")
+            log.info(f"validation loss {val:.4f}")
             self.metrics.log(self.step, {"val_loss": val, **self.eval_metrics})

@@ -1,4 +1,5 @@
-"""Turn text or JSONL files into token shards, on many processes, with quality filters:
+"""Turn text or JSONL files into token shards, on many processes, with quality filters (this library;
+the command line is ``__main__.py``):
 
     python -m torchtitan_ext.data.prepare --input 'data/*.jsonl' --output-dir data/shards --tokenizer byte \\
         --workers 8 --filters heuristics,minhash,ppl --ppl-checkpoint outputs/debug
@@ -19,39 +20,107 @@ each removed.
 
 from __future__ import annotations
 
-import argparse
 import glob
 import json
+import logging
 import multiprocessing as mp
 import os
 import pickle
 import sys
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from torchtitan_ext.data.corpus import builtin_tokenizer
-from torchtitan_ext.data.filters import (
-    HeuristicRules,
-    NearDuplicates,
-    heuristic_reason,
-    minhash_signature,
-    perplexity_scores,
-)
+from torchtitan_ext.data.filters import HeuristicRules, NearDuplicates, heuristic_reason, minhash_signature
 from torchtitan_ext.data.shards import write_shard
+from torchtitan_ext.errors import UserError
 
 FILTERS = ("heuristics", "minhash", "ppl")
 STATE = "prepare_state.pkl"
+logger = logging.getLogger(__name__)
 
 
-class InputError(ValueError):
+class InputError(UserError):
     """A bad input file or record; the message names it."""
 
 
-def documents(files: list[Path], text_key: str, warn=print) -> Iterator[str]:
+@dataclass
+class Options:
+    """The preparation's settings (the command line's flags, ``python -m torchtitan_ext.data.prepare -h``)."""
+
+    input: list[str]
+    output: str
+    tokenizer: str = "byte"
+    tokenizer_vocab_size: int = 4096
+    cache_dir: str = "~/.cache/torchtitan_ext"
+    text_key: str = "text"
+    shard_tokens: int = 100_000_000
+    val_shards: int = 0
+    workers: int = 1
+    chunk_docs: int = 64
+    filters: str = ""
+    min_tokens: int = HeuristicRules.min_tokens
+    max_tokens: int = HeuristicRules.max_tokens
+    max_symbol_ratio: float = HeuristicRules.max_symbol_ratio
+    max_repeat_ratio: float = HeuristicRules.max_repeat_ratio
+    minhash_threshold: float = 0.8
+    ppl_checkpoint: str = ""
+    ppl_percentile: float = 90.0
+    ppl_max_tokens: int = 2048
+    trees: bool = False
+
+
+class Progress:
+    """Documents, tokens and bytes done, with the rate and ETA; ``show(progress, final)`` is called at most
+    every half second and once at the end."""
+
+    def __init__(self, total_bytes: int, label: str, show: Callable[[Progress, bool], None] | None = None):
+        self.total, self.label, self.start, self.last, self.show = total_bytes, label, time.time(), 0.0, show
+        self.docs = self.tokens = self.bytes = 0
+
+    def update(self, docs: int, tokens: int, nbytes: int, final: bool = False) -> None:
+        self.docs, self.tokens, self.bytes = self.docs + docs, self.tokens + tokens, self.bytes + nbytes
+        now = time.time()
+        if not final and now - self.last < 0.5:
+            return
+        self.last = now
+        if self.show is not None:
+            self.show(self, final)
+
+    @property
+    def rate(self) -> float:
+        """Bytes per second."""
+        return self.bytes / max(time.time() - self.start, 1e-9)
+
+    @property
+    def eta(self) -> float:
+        rate = self.rate
+        return max((self.total - self.bytes) / rate if rate > 0 else 0.0, 0.0)
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.rate / 1e6
+
+
+@dataclass
+class Hooks:
+    """What the caller supplies: console lines, progress display, the shard writer (tests replace it) and
+    the ``ppl`` filter's scorer (texts -> mean next-token loss each, built by the entry point)."""
+
+    warn: Callable[[str], None] = logger.warning
+    note: Callable[[str], None] = logger.info
+    show: Callable[[Progress, bool], None] | None = None
+    write: Callable = write_shard
+    ppl_scorer: Callable[[list[str]], np.ndarray] | None = field(default=None)
+
+
+def documents(files: list[Path], text_key: str, warn: Callable[[str], None] = logger.warning
+              ) -> Iterator[str]:
     """Every document of ``files`` in order; InputError naming file and record for non-text values or
     undecodable bytes; an empty file is skipped with one warning line."""
     for path in files:
@@ -83,11 +152,13 @@ def documents(files: list[Path], text_key: str, warn=print) -> Iterator[str]:
             yield text
 
 
+
+
 class ShardWriter:
     """Buffers tokens and writes full shards: val_000000.bin ... then train_000000.bin ..."""
 
-    def __init__(self, out: Path, shard_tokens: int, val_shards: int):
-        self.out, self.shard_tokens, self.val_left = out, shard_tokens, val_shards
+    def __init__(self, out: Path, shard_tokens: int, val_shards: int, write: Callable = write_shard):
+        self.out, self.shard_tokens, self.val_left, self.write = out, shard_tokens, val_shards, write
         self.buf: list[np.ndarray] = []
         self.buffered = self.written = 0
         self.index = {"val": 0, "train": 0}
@@ -106,7 +177,7 @@ class ShardWriter:
         data = np.concatenate(self.buf)
         split = "val" if self.val_left > 0 else "train"
         self.val_left -= split == "val"
-        write_shard(self.out / f"{split}_{self.index[split]:06d}.bin", data[:n])
+        self.write(self.out / f"{split}_{self.index[split]:06d}.bin", data[:n])
         self.index[split] += 1
         self.written += n
         self.buf, self.buffered = [data[n:]], len(data) - n
@@ -114,6 +185,7 @@ class ShardWriter:
     def close(self) -> None:
         if self.buffered:
             self._flush(self.buffered)
+
 
 
 # --- worker side: tokenize and apply the heuristics -------------------------------------------------------
@@ -150,39 +222,12 @@ def _save_state(out: Path, state: dict) -> None:
     os.replace(tmp, out / STATE)
 
 
-class Progress:
-    """Documents, tokens, MB/s and ETA on one refreshed stderr line."""
 
-    open_line = False  # a progress line waits for its newline
-
-    def __init__(self, total_bytes: int, label: str):
-        self.total, self.label, self.start, self.last = total_bytes, label, time.time(), 0.0
-        self.docs = self.tokens = self.bytes = 0
-
-    def update(self, docs: int, tokens: int, nbytes: int, final: bool = False) -> None:
-        self.docs, self.tokens, self.bytes = self.docs + docs, self.tokens + tokens, self.bytes + nbytes
-        now = time.time()
-        if not final and now - self.last < 0.5:
-            return
-        self.last = now
-        rate = self.bytes / max(now - self.start, 1e-9)
-        eta = (self.total - self.bytes) / rate if rate > 0 else 0.0
-        print(f"\r{self.label}: {self.docs:,} docs  {self.tokens:,} tokens  {rate / 1e6:.2f} MB/s  "
-              f"{100 * min(1.0, self.bytes / max(self.total, 1)):5.1f}%  ETA {max(eta, 0):.0f}s   ",
-              end="\n" if final else "", file=sys.stderr, flush=True)
-        Progress.open_line = not final
-
-    @property
-    def mb_per_s(self) -> float:
-        return self.bytes / 1e6 / max(time.time() - self.start, 1e-9)
-
-
-def _pipeline(files, args, tok_spec, filters, rules, pool, skip: int, dedup: NearDuplicates | None,
-              removed: dict, progress: Progress) -> Iterator[tuple[int, str, np.ndarray]]:
+def _pipeline(files, args, pool, skip: int, dedup: NearDuplicates | None, removed: dict, progress: Progress,
+              warn: Callable[[str], None]) -> Iterator[tuple[int, str, np.ndarray]]:
     """(record number, text, tokens) of every document after ``skip`` records that passes the heuristics
     and the duplicate filter, in input order; ``removed`` counts the rest."""
-    warn = (lambda m: print(m, file=sys.stderr)) if skip == 0 else (lambda m: None)
-    docs = documents(files, args.text_key, warn)
+    docs = documents(files, args.text_key, warn if skip == 0 else (lambda m: None))
     for _ in range(skip):
         next(docs, None)
     record = skip
@@ -223,125 +268,107 @@ def _pipeline(files, args, tok_spec, filters, rules, pool, skip: int, dedup: Nea
         raise failure[0]
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m torchtitan_ext.data.prepare", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", required=True, nargs="+", help="files or globs (.txt, .jsonl, other text)")
-    p.add_argument("--output-dir", "--output", dest="output", required=True, help="folder for the shards")
-    p.add_argument("--tokenizer", default="byte", help="byte, builtin, or a SentencePiece .model path")
-    p.add_argument("--tokenizer-vocab-size", type=int, default=4096, help="for --tokenizer builtin")
-    p.add_argument("--cache-dir", default="~/.cache/torchtitan_ext")
-    p.add_argument("--text-key", default="text", help="JSONL field holding the document")
-    p.add_argument("--shard-tokens", type=int, default=100_000_000)
-    p.add_argument("--val-shards", type=int, default=0)
-    p.add_argument("--workers", type=int, default=1, help="tokenizing processes")
-    p.add_argument("--chunk-docs", type=int, default=64, help="documents per work item")
-    p.add_argument("--filters", default="", help=f"comma-separated, applied in order: {', '.join(FILTERS)}")
-    p.add_argument("--min-tokens", type=int, default=HeuristicRules.min_tokens)
-    p.add_argument("--max-tokens", type=int, default=HeuristicRules.max_tokens)
-    p.add_argument("--max-symbol-ratio", type=float, default=HeuristicRules.max_symbol_ratio)
-    p.add_argument("--max-repeat-ratio", type=float, default=HeuristicRules.max_repeat_ratio)
-    p.add_argument("--minhash-threshold", type=float, default=0.8, help="estimated Jaccard above which a "
-                   "document is a near duplicate")
-    p.add_argument("--ppl-checkpoint", default="", help="dump folder of our reference model (ppl filter)")
-    p.add_argument("--ppl-percentile", type=float, default=90.0, help="drop documents scoring above it")
-    p.add_argument("--ppl-max-tokens", type=int, default=2048, help="tokens scored per document")
-    p.add_argument("--trees", action="store_true", help="JSONL conversation trees (one per line) -> shards of "
-                   "whole trees with node sidecars, for data.attention = 'tree' (torchtitan_ext.data.trees)")
-    args = p.parse_args(argv)
-    if args.trees:
-        from torchtitan_ext.data.trees import main as trees_main
-
-        return trees_main(["--input", *args.input, "--output-dir", args.output, "--tokenizer", args.tokenizer,
-                           "--tokenizer-vocab-size", str(args.tokenizer_vocab_size), "--cache-dir", args.cache_dir,
-                           "--shard-tokens", str(args.shard_tokens)])
-    try:
-        return _run(args)
-    except (InputError, FileNotFoundError, ValueError) as e:
-        print(("\n" if Progress.open_line else "") + f"error: {e}", file=sys.stderr)
-        return 2
 
 
-def _run(args) -> int:
-    files = sorted({Path(f) for pattern in args.input for f in glob.glob(str(Path(pattern).expanduser()))})
+def check(opts: Options) -> tuple[list[Path], list[str]]:
+    """(input files, filters in order); InputError (one line) for what cannot run."""
+    files = sorted({Path(f) for pattern in opts.input for f in glob.glob(str(Path(pattern).expanduser()))})
     if not files:
-        raise InputError(f"--input {' '.join(args.input)}: no such files")
-    filters = [f for f in args.filters.split(",") if f]
+        raise InputError(f"--input {' '.join(opts.input)}: no such files")
+    filters = [f for f in opts.filters.split(",") if f]
     bad = [f for f in filters if f not in FILTERS]
     if bad:
         raise InputError(f"--filters: unknown filter {bad[0]!r}; valid: {', '.join(FILTERS)}")
-    for name, value, low in (("--shard-tokens", args.shard_tokens, 1), ("--workers", args.workers, 1),
-                             ("--chunk-docs", args.chunk_docs, 1)):
+    for name, value, low in (("--shard-tokens", opts.shard_tokens, 1), ("--workers", opts.workers, 1),
+                             ("--chunk-docs", opts.chunk_docs, 1)):
         if value < low:
             raise InputError(f"{name} {value}: expected >= {low}")
     if "ppl" in filters and filters[-1] != "ppl":
         raise InputError("--filters: ppl must come last (its percentile is taken over what the others keep)")
-    if "ppl" in filters and not args.ppl_checkpoint:
+    if "ppl" in filters and not opts.ppl_checkpoint:
         raise InputError("--filters ppl needs --ppl-checkpoint (a dump folder of ours)")
-    if not 0 < args.ppl_percentile <= 100:
-        raise InputError(f"--ppl-percentile {args.ppl_percentile}: expected within (0, 100]")
-    tok_spec = (args.tokenizer, args.tokenizer_vocab_size, Path(args.cache_dir).expanduser())
+    if not 0 < opts.ppl_percentile <= 100:
+        raise InputError(f"--ppl-percentile {opts.ppl_percentile}: expected within (0, 100]")
+    return files, filters
+
+
+def prepare(opts: Options, hooks: Hooks | None = None) -> dict | None:
+    """Write the shards of ``opts``; the final report ({documents_kept, removed, tokens, train_shards,
+    val_shards, mb_per_s, workers[, ppl_threshold_nats]}), or None when the folder was already complete."""
+    hooks = hooks or Hooks()
+    files, filters = check(opts)
+    if "ppl" in filters and hooks.ppl_scorer is None:
+        raise InputError("--filters ppl: no perplexity scorer was given")
+    tok_spec = (opts.tokenizer, opts.tokenizer_vocab_size, Path(opts.cache_dir).expanduser())
     builtin_tokenizer(*tok_spec)  # a bad tokenizer fails here, in one line, before any worker starts
-    rules = HeuristicRules(args.min_tokens, args.max_tokens, args.max_symbol_ratio, args.max_repeat_ratio) \
+    rules = HeuristicRules(opts.min_tokens, opts.max_tokens, opts.max_symbol_ratio, opts.max_repeat_ratio) \
         if "heuristics" in filters else None
-    out = Path(args.output)
+    out = Path(opts.output)
     out.mkdir(parents=True, exist_ok=True)
     total_bytes = sum(f.stat().st_size for f in files)
     ctx = mp.get_context("spawn" if sys.platform == "darwin" else "fork")
     init = (tok_spec, rules, "minhash" in filters)
-    pool = ctx.Pool(args.workers, _init_worker, init) if args.workers > 1 else None
+    pool = ctx.Pool(opts.workers, _init_worker, init) if opts.workers > 1 else None
     if pool is None:
         _init_worker(*init)
     try:
-        return _write(args, files, filters, tok_spec, rules, pool, out, total_bytes)
+        return _write(opts, hooks, files, filters, pool, out, total_bytes)
     finally:
         if pool is not None:
             pool.terminate()
 
 
-def _write(args, files, filters, tok_spec, rules, pool, out: Path, total_bytes: int) -> int:
-    ppl_threshold, scores = None, None
-    before_ppl = filters[:filters.index("ppl")] if "ppl" in filters else filters
-    if "ppl" in filters:
-        cache = out / "ppl_scores.npy"
-        if cache.is_file():
-            scores = np.load(cache)
-        else:  # pass 1: score what the earlier filters keep
-            progress = Progress(total_bytes, "scoring pass")
-            dedup = NearDuplicates(args.minhash_threshold) if "minhash" in before_ppl else None
-            texts = [t for _, t, _ in _pipeline(files, args, tok_spec, before_ppl, rules, pool, 0, dedup, {},
-                                                progress)]
-            progress.update(0, 0, 0, final=True)
-            scores = perplexity_scores(texts, args.ppl_checkpoint, args.ppl_max_tokens)
-            np.save(out / "ppl_scores.tmp.npy", scores)
-            os.replace(out / "ppl_scores.tmp.npy", cache)
-        ppl_threshold = float(np.percentile(scores, args.ppl_percentile)) if len(scores) else 0.0
+def _ppl_scores(opts: Options, hooks: Hooks, files, before_ppl, pool, out: Path, total_bytes: int) -> np.ndarray:
+    """Pass 1 of the ``ppl`` filter: the scores of what the earlier filters keep (cached in the folder)."""
+    cache = out / "ppl_scores.npy"
+    if cache.is_file():
+        return np.load(cache)
+    progress = Progress(total_bytes, "scoring pass", hooks.show)
+    dedup = NearDuplicates(opts.minhash_threshold) if "minhash" in before_ppl else None
+    texts = [t for _, t, _ in _pipeline(files, opts, pool, 0, dedup, {}, progress, hooks.warn)]
+    progress.update(0, 0, 0, final=True)
+    scores = hooks.ppl_scorer(texts)
+    np.save(out / "ppl_scores.tmp.npy", scores)
+    os.replace(out / "ppl_scores.tmp.npy", cache)
+    return scores
 
-    state_path = out / STATE
-    writer = ShardWriter(out, args.shard_tokens, args.val_shards)
+
+def _resume(opts: Options, hooks: Hooks, out: Path, writer: ShardWriter) -> dict | None:
+    """The saved state of an interrupted preparation in ``out`` (or a fresh one); None when it completed."""
     state = {"records": 0, "kept": 0, "removed": {}, "dedup": None, "carry": np.zeros(0, np.int32),
              "index": dict(writer.index), "val_left": writer.val_left, "written": 0, "done": False,
-             "args": [args.input, args.tokenizer, args.shard_tokens, args.val_shards, args.filters]}
-    if state_path.is_file():
-        with open(state_path, "rb") as f:
+             "args": [opts.input, opts.tokenizer, opts.shard_tokens, opts.val_shards, opts.filters]}
+    if (out / STATE).is_file():
+        with open(out / STATE, "rb") as f:
             saved = pickle.load(f)
         if saved["args"] != state["args"]:
             raise InputError(f"{out}: holds shards of another preparation ({STATE} has different --input, "
                              "--tokenizer, --shard-tokens, --val-shards or --filters); use an empty folder")
         if saved["done"]:
-            print(f"{out}: already complete ({saved['written']:,} tokens)", file=sys.stderr)
-            return 0
+            hooks.note(f"{out}: already complete ({saved['written']:,} tokens)")
+            return None
         state = saved
-        print(f"resuming after record {state['records']:,} ({state['written']:,} tokens in shards)",
-              file=sys.stderr)
+        hooks.note(f"resuming after record {state['records']:,} ({state['written']:,} tokens in shards)")
     writer.index, writer.val_left, writer.written = dict(state["index"]), state["val_left"], state["written"]
     writer.buf, writer.buffered = [state["carry"]], len(state["carry"])
-    dedup = state["dedup"] or (NearDuplicates(args.minhash_threshold) if "minhash" in before_ppl else None)
+    return state
+
+
+def _write(opts: Options, hooks: Hooks, files, filters, pool, out: Path, total_bytes: int) -> dict | None:
+    before_ppl = filters[:filters.index("ppl")] if "ppl" in filters else filters
+    scores = _ppl_scores(opts, hooks, files, before_ppl, pool, out, total_bytes) if "ppl" in filters else None
+    ppl_threshold = None
+    if scores is not None:
+        ppl_threshold = float(np.percentile(scores, opts.ppl_percentile)) if len(scores) else 0.0
+    writer = ShardWriter(out, opts.shard_tokens, opts.val_shards, hooks.write)
+    state = _resume(opts, hooks, out, writer)
+    if state is None:
+        return None
+    dedup = state["dedup"] or (NearDuplicates(opts.minhash_threshold) if "minhash" in before_ppl else None)
     removed: dict[str, int] = dict(state["removed"])
     kept = state["kept"]
-    progress = Progress(total_bytes, "prepare")
-    for record, _, tokens in _pipeline(files, args, tok_spec, before_ppl, rules, pool, state["records"], dedup,
-                                       removed, progress):
+    progress = Progress(total_bytes, "prepare", hooks.show)
+    for record, _, tokens in _pipeline(files, opts, pool, state["records"], dedup, removed, progress, hooks.warn):
         if scores is not None:
             i = kept + sum(v for k, v in removed.items() if k.startswith("ppl/"))
             if scores[i] > ppl_threshold:
@@ -359,14 +386,7 @@ def _write(args, files, filters, tok_spec, rules, pool, out: Path, total_bytes: 
                       "val_left": writer.val_left, "written": writer.written, "done": True})
     report = {"documents_kept": kept, "removed": removed, "tokens": writer.written,
               "train_shards": writer.index["train"], "val_shards": writer.index["val"],
-              "mb_per_s": round(progress.mb_per_s, 3), "workers": args.workers}
+              "mb_per_s": round(progress.mb_per_s, 3), "workers": opts.workers}
     if ppl_threshold is not None:
         report["ppl_threshold_nats"] = ppl_threshold
-    print(json.dumps(report), file=sys.stderr)
-    print(f"wrote {writer.written:,} tokens from {kept:,} documents: {writer.index['train']} train and "
-          f"{writer.index['val']} val shards in {out}", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return report

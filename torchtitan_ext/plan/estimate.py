@@ -17,13 +17,12 @@ inductor keeps instead (pointwise results recomputed in the backward pass), also
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass, field
 
 import torch
 
 from torchtitan_ext.config.job_config import JobConfig
-from torchtitan_ext.config.loader import ConfigError, parse_args
+from torchtitan_ext.config.loader import ConfigError
 from torchtitan_ext.models.args import ModelArgs
 from torchtitan_ext.parallel.dims import ParallelDims, ParallelDimsError
 
@@ -159,8 +158,66 @@ def _param_groups(args: ModelArgs) -> dict[str, int]:
     return groups
 
 
+@dataclass
+class _Job:
+    """What each step of :func:`plan` reads: the config, the layout, the parameter groups of the real module
+    tree and the figures derived from them once."""
+    cfg: JobConfig
+    dims: ParallelDims
+    args: ModelArgs
+    g: dict[str, int]
+
+    @property
+    def layers(self) -> int:
+        """Layers of the heaviest pipeline stage."""
+        return math.ceil(self.args.n_layers / self.dims.pp)
+
+    @property
+    def frac_layers(self) -> float:
+        return self.layers / self.args.n_layers
+
+    @property
+    def shard(self) -> int:
+        """FSDP shards of a parameter (1 without FSDP)."""
+        return self.dims.dp_shard if self.dims.fsdp_enabled else 1
+
+    @property
+    def act(self) -> int:
+        """Bytes per activation element."""
+        return 2 if self.cfg.training.mixed_precision_param == "bfloat16" else F32
+
+    @property
+    def ends(self) -> int:
+        """Embedding and head parameters on the heaviest stage (one of them under pipeline parallelism)."""
+        g = self.g
+        return max(g["embedding"], g["head"]) if self.dims.pp > 1 else g["embedding"] + g["head"]
+
+    @property
+    def block(self) -> float:
+        """Block matrices, experts and routers of the heaviest stage (before TP and FSDP)."""
+        g = self.g
+        return (g["matrices"] + g["experts"] + g["routers"]) * self.frac_layers
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of one micro-batch."""
+        return self.cfg.training.local_batch_size * self.cfg.training.seq_len
+
+
 def plan(cfg: JobConfig, world: int) -> Plan:
     """The per-rank memory and per-step communication of ``cfg`` on ``world`` GPUs."""
+    job = _job(cfg, world)
+    p = Plan(world, job.dims, job.args)
+    _parameter_memory(p, job)
+    _unsharded_memory(p, job)
+    micro = _activation_memory(p, job)
+    _loss_memory(p, job, micro)
+    p.comm = communication(cfg, job.dims, job.args, job.g, job.act, job.tokens)
+    return p
+
+
+def _job(cfg: JobConfig, world: int) -> _Job:
+    """The layout and model of ``cfg`` on ``world`` GPUs; ConfigError where they do not fit together."""
     from torchtitan_ext.models.flavors import resolve_model_args
 
     try:
@@ -168,7 +225,6 @@ def plan(cfg: JobConfig, world: int) -> Plan:
     except ParallelDimsError as e:
         raise ConfigError(str(e)) from None
     args = resolve_model_args(cfg, tokenizer_vocab(cfg))
-    t = cfg.training
     if args.n_heads % dims.tp or args.kv_heads % dims.tp:
         raise ConfigError(f"model heads {args.n_heads} / kv heads {args.kv_heads} not divisible by "
                           f"parallelism.tp = {dims.tp}")
@@ -176,56 +232,56 @@ def plan(cfg: JobConfig, world: int) -> Plan:
         raise ConfigError(f"model.n_experts = {args.n_experts} not divisible by parallelism.ep = {dims.ep}")
     if args.n_layers < dims.pp * cfg.parallelism.pp_virtual_stages:
         raise ConfigError(f"{args.n_layers} layers cannot fill {dims.pp} pipeline stages")
-    p = Plan(world, dims, args)
-    g = _param_groups(args)
-    fsdp = dims.fsdp_enabled
-    shard = dims.dp_shard if fsdp else 1
-    mp_bf16 = t.mixed_precision_param == "bfloat16"
-    act = 2 if mp_bf16 else F32
+    return _Job(cfg, dims, args, _param_groups(args))
 
-    # Parameters on this rank: the heaviest pipeline stage, TP-sharded matrices, FSDP shards.
-    layers = math.ceil(args.n_layers / dims.pp)
-    frac_layers = layers / args.n_layers
-    ends = max(g["embedding"], g["head"]) if dims.pp > 1 else g["embedding"] + g["head"]
-    block = (g["matrices"] + g["experts"] + g["routers"]) * frac_layers
-    local = (block + ends) / dims.tp + g["norms"] * frac_layers
-    local /= shard
-    muon = cfg.optimizer.name == "muon"
+
+def _parameter_memory(p: Plan, job: _Job) -> None:
+    """Parameters, gradients and optimizer state on this rank: the heaviest pipeline stage, TP-sharded
+    matrices, FSDP shards."""
+    g, dims, args = job.g, job.dims, job.args
+    local = (job.block + job.ends) / dims.tp + g["norms"] * job.frac_layers
+    local /= job.shard
+    muon = job.cfg.optimizer.name == "muon"
     p.memory["parameters (fp32)"] = F32 * local
     p.memory[GRADS] = F32 * local
     head_grad = g["head"] or (g["embedding"] if args.tie_embeddings else 0)
-    p.memory["head gradient (at the backward peak)"] = F32 * head_grad / dims.tp / shard
-    muon_part = (g["matrices"] + g["experts"]) * frac_layers / dims.tp / shard if muon else 0.0
+    p.memory["head gradient (at the backward peak)"] = F32 * head_grad / dims.tp / job.shard
+    muon_part = (g["matrices"] + g["experts"]) * job.frac_layers / dims.tp / job.shard if muon else 0.0
     p.memory["optimizer state"] = F32 * (2 * (local - muon_part) + muon_part)  # AdamW 2 moments, Muon 1
 
-    # Unsharded bf16 parameters while computing: FSDP gathers ~2 units at once (a unit: one block's dense
-    # matrices, TP-sharded, and this rank's experts, EP-sharded); without FSDP the trainer runs bf16
-    # autocast, whose weight casts are saved for the backward pass (the whole local model).
+
+def _unsharded_memory(p: Plan, job: _Job) -> None:
+    """Unsharded bf16 parameters while computing: FSDP gathers ~2 units at once (a unit: one block's dense
+    matrices, TP-sharded, and this rank's experts, EP-sharded); without FSDP the trainer runs bf16
+    autocast, whose weight casts are saved for the backward pass (the whole local model)."""
+    g, dims, args, t = job.g, job.dims, job.args, job.cfg.training
     unit = (g["matrices"] + g["routers"] + g["experts"] / dims.ep) / args.n_layers / dims.tp
-    end_unit = (max(g["embedding"], g["head"]) if ends else 0) / dims.tp
-    if fsdp:  # the running unit and the prefetched one (the embedding or head is one unit of its own)
+    end_unit = (max(g["embedding"], g["head"]) if job.ends else 0) / dims.tp
+    if dims.fsdp_enabled:  # the running unit and the prefetched one (the embedding or head is one unit of its own)
         red = F32 if t.mixed_precision_reduce == "float32" else 2
         p.memory["unsharded params + grads (bf16 / reduce dtype)"] = (
-            (FSDP_UNSHARDED_UNITS - 1) * unit + max(unit, end_unit)) * act + max(unit, end_unit) * red
-    elif mp_bf16:
+            (FSDP_UNSHARDED_UNITS - 1) * unit + max(unit, end_unit)) * job.act + max(unit, end_unit) * red
+    elif t.mixed_precision_param == "bfloat16":
         # the embedding lookup is not autocast; float8 linears cast their fp32 weights to float8 instead
         head = g["head"] or (g["embedding"] if args.tie_embeddings else 0)
-        cast = block - (g["matrices"] * frac_layers if cfg.float8.enabled else 0) + head
+        cast = job.block - (g["matrices"] * job.frac_layers if job.cfg.float8.enabled else 0) + head
         p.memory["autocast bf16 weight copies"] = 2 * cast / dims.tp
 
-    # Activations of one micro-batch on this rank.
-    tokens = t.local_batch_size * t.seq_len
-    compiled = t.compile
-    per_layer = [sum(block_activations(args, i, act, "fused", compiled, dims.tp).values())
+
+def _saved_activations(p: Plan, job: _Job) -> tuple[float, float, float]:
+    """(without checkpointing, with the configured checkpointing, a recomputed block's) activation bytes of
+    one micro-batch on the heaviest stage."""
+    args, dims, cfg, tokens, layers = job.args, job.dims, job.cfg, job.tokens, job.layers
+    per_layer = [sum(block_activations(args, i, job.act, "fused", cfg.training.compile, dims.tp).values())
                  for i in range(args.n_layers)]
     per_layer_stage = sorted(per_layer, reverse=True)[:layers]
     full = sum(per_layer_stage) * tokens
     if cfg.float8.enabled:  # float8 linears save their fp8 inputs (1 byte) and fp8 weights, not bf16 inputs
         f8_saving = sum(float8_input_saving(args, i, dims.tp) for i in range(layers)) * tokens
         full -= f8_saving
-        p.memory["float8 weight copies"] = (g["matrices"] * frac_layers) / dims.tp * 1
+        p.memory["float8 weight copies"] = (job.g["matrices"] * job.frac_layers) / dims.tp * 1
     ac = cfg.activation_checkpoint
-    block_input = act * args.dim / dims.tp * tokens
+    block_input = job.act * args.dim / dims.tp * tokens
     recompute = max(per_layer_stage) * tokens  # a recomputed block's activations, during its backward only
     if ac.mode == "full":
         acts = layers * block_input
@@ -233,31 +289,48 @@ def plan(cfg: JobConfig, world: int) -> Plan:
         n_ckpt = layers // ac.selective_every
         acts = full - n_ckpt * (sum(per_layer_stage) / layers * tokens - block_input)
     elif ac.mode == "selective":  # op-level: matmul and attention outputs kept, pointwise recomputed
-        acts = sum(selective_activations(args, i, act, dims.tp) for i in range(layers)) * tokens
+        acts = sum(selective_activations(args, i, job.act, dims.tp) for i in range(layers)) * tokens
     else:
         acts, recompute = full, 0.0
-    in_flight, micro = 1.0, 1
-    if dims.pp > 1:  # the first rank holds its warm-up micro-batches, each through one (virtual) stage
-        v = cfg.parallelism.pp_virtual_stages
-        micro = cfg.parallelism.pp_microbatches or dims.pp * v
-        held = min(micro * v, 2 * (dims.pp - 1) + (v - 1) * dims.pp + 1 if v > 1 else dims.pp)
-        in_flight = held / (micro * v)
-        p.notes.append(f"pipeline: {micro} micro-batches, {held} (micro-batch, stage) activations held on the "
-                       "first rank")
+    return full, acts, recompute
+
+
+def _pipeline_in_flight(p: Plan, job: _Job) -> tuple[float, int]:
+    """(fraction of all (micro-batch, stage) activations the first rank holds at once, micro-batches): the
+    first rank holds its warm-up micro-batches, each through one (virtual) stage."""
+    dims = job.dims
+    if dims.pp <= 1:
+        return 1.0, 1
+    v = job.cfg.parallelism.pp_virtual_stages
+    micro = job.cfg.parallelism.pp_microbatches or dims.pp * v
+    held = min(micro * v, 2 * (dims.pp - 1) + (v - 1) * dims.pp + 1 if v > 1 else dims.pp)
+    p.notes.append(f"pipeline: {micro} micro-batches, {held} (micro-batch, stage) activations held on the "
+                   "first rank")
+    return held / (micro * v), micro
+
+
+def _activation_memory(p: Plan, job: _Job) -> int:
+    """Activations of one micro-batch on this rank; returns the pipeline's micro-batches."""
+    full, acts, recompute = _saved_activations(p, job)
+    in_flight, micro = _pipeline_in_flight(p, job)
     p.memory["activations"] = acts * in_flight + recompute / micro
     p.activations_no_ac = full * in_flight
-    head = sum(head_activations(args, act, "fused", t.fused_linear_ce, dims.tp).values()) * tokens
-    vocab_local = args.vocab_size / dims.tp
+    return micro
+
+
+def _loss_memory(p: Plan, job: _Job, micro: int) -> None:
+    """The head's saved activations and the logits / cross-entropy buffers of one micro-batch at a time."""
+    args, t, act, tokens = job.args, job.cfg.training, job.act, job.tokens
+    head = sum(head_activations(args, act, "fused", t.fused_linear_ce, job.dims.tp).values()) * tokens
+    vocab_local = args.vocab_size / job.dims.tp
     if t.fused_linear_ce:
         loss_peak = min(t.fused_linear_ce_chunk, tokens) * vocab_local * (2 * F32 + act)
-    elif compiled:  # inductor saves the head-dtype logits and the LSE; one fused kernel writes their gradient
+    elif t.compile:  # inductor saves the head-dtype logits and the LSE; one fused kernel writes their gradient
         head += ((act - F32) * vocab_local + F32) * tokens
         loss_peak = tokens * vocab_local * act
     else:  # eager backward of the cross-entropy: gradient of the fp32 logits, then its cast to the head dtype
         loss_peak = tokens * vocab_local * (F32 + (act if act != F32 else 0))
     p.memory["logits / cross-entropy"] = (head + loss_peak) / micro  # one micro-batch at a time
-    p.comm = communication(cfg, dims, args, g, act, tokens)
-    return p
 
 
 def float8_input_saving(args: ModelArgs, layer: int, tp: int) -> float:
@@ -344,39 +417,13 @@ def report(p: Plan, device_gib: float, cfg: JobConfig) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        gpus, device_gib = None, 80.0
-        for flag in ("--gpus", "--device-memory"):
-            if flag in argv:
-                i = argv.index(flag)
-                if i + 1 >= len(argv):
-                    raise ConfigError(f"argument {flag}: missing value")
-                raw = argv.pop(i + 1)
-                argv.pop(i)
-                try:
-                    value = int(raw) if flag == "--gpus" else float(raw)
-                except ValueError:
-                    raise ConfigError(f"argument {flag}: expected a number, got {raw!r}") from None
-                if not math.isfinite(value) or value <= 0:
-                    raise ConfigError(f"argument {flag}: expected a finite number > 0, got {raw!r}")
-                if flag == "--gpus":
-                    gpus = value
-                else:
-                    device_gib = value
-        cfg = parse_args(argv)
-        par = cfg.parallelism
-        world = gpus or par.dp_replicate * (par.dp_shard if par.dp_shard > 0 else par.ep) * par.tp * par.pp
-        p = plan(cfg, world)
-        if gpus is None and par.dp_shard == -1:
-            p.notes.append(f"no --gpus: planned for {world} GPUs (parallelism.dp_shard = -1 takes the rest)")
-        print("\n".join(report(p, device_gib, cfg)))
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
-    return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
+def plan_job(cfg: JobConfig, gpus: int | None = None) -> Plan:
+    """:func:`plan` on ``gpus`` GPUs, or, when None, on the world the config's layout names (``dp_shard = -1``
+    then takes one shard per expert-parallel rank, and a note says so)."""
+    par = cfg.parallelism
+    world = gpus or par.dp_replicate * (par.dp_shard if par.dp_shard > 0 else par.ep) * par.tp * par.pp
+    p = plan(cfg, world)
+    if gpus is None and par.dp_shard == -1:
+        p.notes.append(f"no --gpus: planned for {world} GPUs (parallelism.dp_shard = -1 takes the rest)")
+    return p

@@ -1,4 +1,5 @@
-"""Multi-domain data mixing: every global batch draws its sequences from the domains by weight.
+"""The ``[[data.domains]]`` source, multi-domain data mixing: every global batch draws its sequences from
+the domains by weight.
 
 Global micro-batch b assigns each of its G = local_batch_size x dp sequences a domain, drawn from
 ``numpy.random.default_rng([seed, b])`` with the current weights, so every rank computes the same
@@ -16,6 +17,7 @@ one).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
 from dataclasses import dataclass
@@ -24,8 +26,9 @@ import numpy as np
 import torch
 
 from torchtitan_ext.config.loader import ConfigError
-from torchtitan_ext.data.loader import Batch, TokenDataLoader
-from torchtitan_ext.data.shards import ShardError, list_shards
+from torchtitan_ext.data.base import Batch, LoaderContext, rows_to_batch
+from torchtitan_ext.data.packers.concat import TokenDataLoader
+from torchtitan_ext.data.shards import list_shards
 
 _KEYS = {"name": str, "train": str, "val": str, "weight": (int, float)}
 
@@ -90,24 +93,12 @@ def adaptive_update(weights: np.ndarray, losses: np.ndarray, eta: float, floor: 
                    floor, cap)
 
 
-def rows_to_batch(rows: list[np.ndarray], domains: list[int], vocab_limit: int, where) -> Batch:
-    """Windows of seq_len + 1 tokens -> a Batch; packing padding (-1) becomes input 0 and label -100 (ignored
-    by the cross-entropy). ``where(domain)`` names the source of an out-of-vocabulary id."""
-    data = torch.from_numpy(np.stack(rows).astype(np.int64))
-    if vocab_limit and int(data.max()) >= vocab_limit:
-        bad = domains[int(data.max(dim=1).values.argmax())]
-        raise ShardError(f"{where(bad)}: token id {int(data.max())} >= model vocabulary {vocab_limit}; set "
-                         "model.vocab_size")
-    inputs, labels = data[:, :-1].clamp(min=0), data[:, 1:]
-    return Batch(inputs, labels.masked_fill(labels < 0, -100), torch.tensor(domains))
-
-
 class MixingLoader:
     """The training loader over several domains (same interface as TokenDataLoader)."""
 
     def __init__(self, domains: list[Domain], seq_len: int, local_batch_size: int, dp_rank: int,
                  dp_world_size: int, seed: int, shuffle: bool, mode: str = "static", rate: float = 0.01,
-                 floor: float = 0.0, cap: float = 1.0, source=TokenDataLoader):
+                 floor: float = 0.0, cap: float = 1.0, source=TokenDataLoader, *, vocab_limit: int = 0):
         if floor * len(domains) > 1 + 1e-9 or cap * len(domains) < 1 - 1e-9:
             raise ConfigError(f"data.mixing_floor = {floor} / data.mixing_cap = {cap}: no weights of "
                               f"{len(domains)} domains summing to one fit")
@@ -120,15 +111,7 @@ class MixingLoader:
         self.weights = project(np.array([d.weight for d in domains]), floor, cap)
         self.consumed = np.zeros(len(domains), dtype=np.int64)
         self.position = 0  # global micro-batches drawn
-
-    @property
-    def vocab_limit(self) -> int:
-        return self.sources[0].vocab_limit
-
-    @vocab_limit.setter
-    def vocab_limit(self, value: int) -> None:
-        for s in self.sources:
-            s.vocab_limit = value
+        self.vocab_limit = vocab_limit
 
     def assignment(self, batch_index: int) -> np.ndarray:
         """The domain of each slot of global micro-batch ``batch_index``."""
@@ -195,19 +178,27 @@ class DomainValidation(dict):
             loader.vocab_limit = value
 
 
-def build_mixing(domains: list, *, mixing: str, rate: float, floor: float, cap: float, seq_len: int,
-                 local_batch_size: int, dp_rank: int, dp_world_size: int, seed: int,
-                 shuffle: bool, source=TokenDataLoader) -> tuple[MixingLoader, DomainValidation | None]:
+def _domain_stream(ctx: LoaderContext):
+    """A domain's training stream: the packer over its shards, one window per draw, its own seed."""
+    def make(files, seq_len, local_batch_size, dp_rank, dp_world_size, seed, shuffle):
+        sub = dataclasses.replace(ctx, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank,
+                                  dp_world_size=dp_world_size, seed=seed, vocab_limit=0)
+        return ctx.packer(files, sub, shuffle)
+    return make
+
+
+def build(data, ctx: LoaderContext) -> tuple[MixingLoader, DomainValidation | None]:
     """(training loader, per-domain validation loaders or None) for ``[[data.domains]]``."""
-    parsed = parse_domains(domains)
-    loader = MixingLoader(parsed, seq_len, local_batch_size, dp_rank, dp_world_size, seed, shuffle, mixing,
-                          rate, floor, cap, source)
+    parsed = parse_domains(data.domains)
+    loader = MixingLoader(parsed, ctx.seq_len, ctx.local_batch_size, ctx.dp_rank, ctx.dp_world_size, ctx.seed,
+                          ctx.shuffle, data.mixing, data.mixing_rate, data.mixing_floor, data.mixing_cap,
+                          _domain_stream(ctx), vocab_limit=ctx.vocab_limit)
     val = DomainValidation()
     for i, d in enumerate(parsed):
         if d.val:
-            val[d.name] = TokenDataLoader(list_shards(d.val, f"data.domains[{i}].val ({d.name})"), seq_len,
-                                          local_batch_size, dp_rank, dp_world_size, seed, shuffle=False)
-    if mixing == "adaptive" and len(val) != len(parsed):
+            val[d.name] = TokenDataLoader(list_shards(d.val, f"data.domains[{i}].val ({d.name})"), shuffle=False,
+                                          vocab_limit=ctx.vocab_limit, **ctx.window_args())
+    if data.mixing == "adaptive" and len(val) != len(parsed):
         missing = next(d.name for d in parsed if d.name not in val)
         raise ConfigError(f"data.mixing = 'adaptive' needs a validation split (val) for every domain; "
                           f"{missing!r} has none")

@@ -13,25 +13,26 @@ a token sees its own node's earlier tokens and all of its ancestors, never a sib
 positions along the token's root-to-node path, and labels only where the next token continues the path
 (a sibling's first token is not predicted from the end of the previous sibling's subtree).
 
-    python -m torchtitan_ext.data.trees --input 'chats/*.jsonl' --output-dir data/chats --tokenizer byte
+    python -m torchtitan_ext.data.prepare --trees --input 'chats/*.jsonl' --output-dir data/chats --tokenizer byte
 """
 
 from __future__ import annotations
 
-import argparse
-import glob
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from torchtitan_ext.config.loader import ConfigError
+from torchtitan_ext.data.base import Batch, EpochOrder, LoaderContext, PositionState, require_static_mixing
 from torchtitan_ext.data.shards import ShardError, read_shard, write_shard
+from torchtitan_ext.data.sources.shards import shard_files
+from torchtitan_ext.errors import UserError
 from torchtitan_ext.ops.visibility import tree_visibility
 
 
-class TreeError(ValueError):
+class TreeError(UserError):
     """A bad tree record; the message names the file and line."""
 
 
@@ -117,12 +118,13 @@ def prepare_trees(files: list[Path], out: Path, tokenizer, shard_tokens: int = 1
     return counts
 
 
-class TreeDataLoader:
+class TreeDataLoader(PositionState):
     """Deterministic, stateful loader of windows packed with whole trees (state: the global window
     position, as ``TokenDataLoader``, so a checkpoint resumes exactly under any data-parallel size)."""
 
     def __init__(self, shards: list[Path], seq_len: int, local_batch_size: int, dp_rank: int,
-                 dp_world_size: int, seed: int, shuffle: bool, eot_id: int = 0, position_reset: bool = True):
+                 dp_world_size: int, seed: int, shuffle: bool, eot_id: int = 0, position_reset: bool = True, *,
+                 vocab_limit: int = 0):
         self.seq_len, self.local_batch_size, self.seed, self.shuffle = seq_len, local_batch_size, seed, shuffle
         self.dp_rank, self.dp_world_size, self.eot_id = dp_rank, dp_world_size, eot_id
         self.position_reset = position_reset
@@ -131,7 +133,8 @@ class TreeDataLoader:
         for path in shards:
             side = path.with_suffix(".trees.npz")
             if not side.exists():
-                raise ShardError(f"{path}: no tree sidecar {side.name} (prepare it with torchtitan_ext.data.trees)")
+                raise ShardError(f"{path}: no tree sidecar {side.name} (prepare it with "
+                                 "torchtitan_ext.data.prepare --trees)")
             tokens = read_shard(path)
             try:
                 with np.load(side) as f:
@@ -155,9 +158,9 @@ class TreeDataLoader:
             raise ShardError(f"{shards[0].parent}: {self.n_windows} windows of whole trees, fewer than one global "
                              f"batch ({local_batch_size * dp_world_size}); {self.skipped} trees exceed "
                              f"training.seq_len = {seq_len}")
-        self.vocab_limit = 0
+        self.vocab_limit = vocab_limit
         self.position = 0
-        self._perm: tuple[int, np.ndarray] | None = None
+        self._order = EpochOrder(self.n_windows, seed, shuffle)
 
     def _pack(self) -> list[list[int]]:
         """Trees (in a seeded order) filled into windows one after another."""
@@ -177,11 +180,7 @@ class TreeDataLoader:
 
     def window(self, g: int) -> tuple[torch.Tensor, ...]:
         """(inputs, labels, start, limit, positions) of global window ``g``, each (seq_len,)."""
-        epoch, i = divmod(g, self.n_windows)
-        if self.shuffle:
-            if self._perm is None or self._perm[0] != epoch:
-                self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.n_windows))
-            i = int(self._perm[1][i])
+        i = self._order(g)
         t = self.seq_len
         inputs = torch.full((t,), self.eot_id, dtype=torch.long)
         start, limit = torch.arange(t), torch.arange(1, t + 1)  # padding sees only itself
@@ -204,9 +203,7 @@ class TreeDataLoader:
             at += n
         return inputs, labels, start, limit, positions
 
-    def next_batch(self):
-        from torchtitan_ext.data.loader import Batch
-
+    def next_batch(self) -> Batch:
         first = self.position + self.dp_rank * self.local_batch_size
         rows = [self.window(first + j) for j in range(self.local_batch_size)]
         self.position += self.local_batch_size * self.dp_world_size
@@ -217,41 +214,15 @@ class TreeDataLoader:
         return Batch(inputs, labels, torch.zeros(len(rows), dtype=torch.long), visibility=(start, limit),
                      positions=positions if self.position_reset else None)
 
-    def reset(self) -> None:
-        self.position = 0
 
-    def state_dict(self) -> dict:
-        return {"position": self.position}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.position = int(state["position"])
-
-
-def main(argv: list[str] | None = None) -> int:
-    from torchtitan_ext.data.corpus import builtin_tokenizer
-
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--input", nargs="+", required=True, help="JSONL files or globs, one tree per line")
-    ap.add_argument("--output-dir", required=True)
-    ap.add_argument("--tokenizer", default="byte", help="byte, builtin or a SentencePiece .model path")
-    ap.add_argument("--tokenizer-vocab-size", type=int, default=4096)
-    ap.add_argument("--cache-dir", default="~/.cache/torchtitan_ext")
-    ap.add_argument("--shard-tokens", type=int, default=1 << 26)
-    args = ap.parse_args(argv)
-    files = sorted({Path(f) for pattern in args.input for f in (glob.glob(pattern) or [pattern])})
-    try:
-        missing = [f for f in files if not f.is_file()]
-        if missing:
-            raise TreeError(f"{missing[0]}: no such file")
-        tok = builtin_tokenizer(args.tokenizer, args.tokenizer_vocab_size, Path(args.cache_dir).expanduser())
-        counts = prepare_trees(files, Path(args.output_dir), tok, args.shard_tokens)
-    except (TreeError, UnicodeDecodeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"{counts['trees']:,} trees, {counts['nodes']:,} nodes, {counts['tokens']:,} tokens in "
-          f"{counts['shards']} shard(s) under {args.output_dir}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def build(data, ctx: LoaderContext) -> tuple[TreeDataLoader, TreeDataLoader | None]:
+    """``data.attention = "tree"``: shards of whole conversation trees with their node sidecars."""
+    if data.dataset != "shards" or data.packing != "concat" or data.domains:
+        raise ConfigError("data.attention = 'tree' reads tree shards: needs data.dataset = 'shards', "
+                          "data.packing = 'concat' and no data.domains")
+    require_static_mixing(data)
+    train_files, val_files = shard_files(data)
+    common = dict(eot_id=ctx.eot_id, position_reset=data.position_reset, vocab_limit=ctx.vocab_limit,
+                  **ctx.window_args())
+    loader = TreeDataLoader(train_files, shuffle=ctx.shuffle, **common)
+    return loader, (TreeDataLoader(val_files, shuffle=False, **common) if val_files else None)

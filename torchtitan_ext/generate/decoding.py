@@ -2,6 +2,8 @@
 
     python -m torchtitan_ext.generate --checkpoint outputs/debug --prompt "def main(" --max-new-tokens 64
 
+(the command line in ``torchtitan_ext/generate/__main__.py``; :func:`complete` is what it runs).
+
 The cached forward walks the Decoder's own modules (embedding, each block's norms, projections, QK-norm,
 RoPE, FFN or MoDE, residual scalars, final norm, head, soft-cap; KV-sharing layers read their producer's
 cache), so it computes what ``Decoder.forward`` computes with causal attention, one position at a time.
@@ -22,17 +24,17 @@ unless two logits are within rounding of each other (likelier in bf16).
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
-import sys
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from torchtitan_ext.errors import UserError
 from torchtitan_ext.models.decoder import Decoder
 
 CACHE_SLOTS = 256  # cache lengths are a multiple of this (up to max_seq_len): fewer shapes to compile
@@ -89,7 +91,7 @@ def _static_cache(model: Decoder, batch: int, max_len: int, pad: torch.Tensor) -
 def check_supported(model: Decoder) -> None:
     """Refuse, in one line, models the cached forward does not reproduce."""
     if getattr(model, "return_hidden", False):
-        raise ValueError("generation: the model returns hidden states (fused linear cross-entropy is on)")
+        raise UserError("generation: the model returns hidden states (fused linear cross-entropy is on)")
 
 
 def _attention(attn, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
@@ -186,15 +188,15 @@ def generate(model: Decoder, prompts: list[list[int]], max_new_tokens: int, temp
     equal). ``compile=True`` compiles the one-token steps (see the module docstring); the prompt pass stays
     eager: it runs once per call, and compiled it would be compiled again for every prompt length."""
     if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("generation needs at least one non-empty prompt")
+        raise UserError("generation needs at least one non-empty prompt")
     if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens = {max_new_tokens}: expected >= 1")
+        raise UserError(f"max_new_tokens = {max_new_tokens}: expected >= 1")
     longest = max(map(len, prompts))
     if longest + max_new_tokens > model.args.max_seq_len:
-        raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+        raise UserError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
                          f"max_seq_len {model.args.max_seq_len}")
     if compile and not use_cache:
-        raise ValueError("generation: compile needs the KV cache (use_cache=True)")
+        raise UserError("generation: compile needs the KV cache (use_cache=True)")
     check_supported(model)
     device = model.tok_embeddings.weight.device
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -226,48 +228,31 @@ def generate(model: Decoder, prompts: list[list[int]], max_new_tokens: int, temp
     return _until_stop(new[:, :i + 1].tolist(), stop_id)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m torchtitan_ext.generate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="dump folder (latest checkpoint) or a step-N folder")
-    p.add_argument("--prompt", action="append", required=True, help="repeat for a batch of prompts")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="compile the decoding step (CUDA graphs on CUDA); default: on CUDA, off on CPU")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    args = p.parse_args(argv)
-    if args.max_new_tokens < 1 or not 0 < args.top_p <= 1 or args.temperature < 0:
-        print("error: expected --max-new-tokens >= 1, 0 < --top-p <= 1, --temperature >= 0", file=sys.stderr)
-        return 2
-    from torchtitan_ext.config.loader import ConfigError
+@dataclass
+class Completions:
+    """What :func:`complete` returns: the checkpoint read, each prompt's new text, whether the decoding step
+    was compiled and the new tokens per second over the decoding."""
+    checkpoint: Path
+    texts: list[str]
+    compiled: bool
+    tokens_per_sec: float
+
+
+def complete(checkpoint: str | Path, prompts: list[str], max_new_tokens: int = 64, temperature: float = 0.0,
+             top_p: float = 1.0, seed: int = 0, device: str = "auto", compile: bool | None = None) -> Completions:
+    """Load the model of a dump or ``step-N`` folder and continue each prompt. ``device`` "auto" is CUDA when
+    available; ``compile`` None compiles on CUDA only. UserError (one line) for a bad checkpoint or request."""
     from torchtitan_ext.eval.load import load_trained
 
-    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else \
-        ("cpu" if args.device == "auto" else args.device)
-    compiled = device == "cuda" if args.compile is None else args.compile
-    try:
-        model, tok, _, ckpt = load_trained(args.checkpoint, device)
-        prompts = [[int(i) for i in tok.encode(text)] for text in args.prompt]
-        start = time.perf_counter()
-        new = generate(model, prompts, args.max_new_tokens, args.temperature, args.top_p, args.seed,
-                       stop_id=getattr(tok, "eot_id", None), compile=compiled)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if max_new_tokens < 1 or not 0 < top_p <= 1 or temperature < 0:
+        raise UserError("expected --max-new-tokens >= 1, 0 < --top-p <= 1, --temperature >= 0")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    compiled = device == "cuda" if compile is None else compile
+    model, tok, _, ckpt = load_trained(checkpoint, device)
+    ids = [[int(i) for i in tok.encode(text)] for text in prompts]
+    start = time.perf_counter()
+    new = generate(model, ids, max_new_tokens, temperature, top_p, seed, stop_id=getattr(tok, "eot_id", None),
+                   compile=compiled)
     elapsed = time.perf_counter() - start
-    texts = [tok.decode(ids) for ids in new]
-    if args.json:
-        print(json.dumps({"checkpoint": str(ckpt), "completions": texts, "compiled": compiled,
-                          "tokens_per_sec": sum(map(len, new)) / elapsed}))
-    else:
-        for prompt, text in zip(args.prompt, texts, strict=True):
-            print(prompt + text)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return Completions(ckpt, [tok.decode(row) for row in new], compiled, sum(map(len, new)) / elapsed)

@@ -2,6 +2,8 @@
 
     python -m torchtitan_ext.export --checkpoint outputs/debug --output hf/debug
 
+(the command line in ``torchtitan_ext/export/__main__.py``; ``export.export_checkpoint`` is what it runs).
+
 Architectures: the plain decoder is ``LlamaForCausalLM``; with QK-norm it is ``Qwen3ForCausalLM`` (RMSNorm
 over each head's dims before RoPE, as ours); with NoPE every Nth layer it is ``SmolLM3ForCausalLM``
 (``no_rope_layers``). Features no transformers architecture reproduces (partial RoPE, logit soft-cap,
@@ -11,9 +13,7 @@ SentencePiece model (when the job used one) is copied as ``tokenizer.model``.
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -159,25 +159,3 @@ def load_hf_weights(parts: list[torch.nn.Module], path: str | Path, args: ModelA
     full = theirs.state_dict()
     for part in parts:  # each part (pipeline stage) takes its own FQNs; FSDP shards are cut from the full tensors
         set_model_state_dict(part, full, options=StateDictOptions(full_state_dict=True, strict=False))
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m torchtitan_ext.export", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="dump folder (latest checkpoint) or a step-N folder")
-    p.add_argument("--output", required=True, help="folder for model.safetensors + config.json")
-    args = p.parse_args(argv)
-    from torchtitan_ext.eval.load import load_trained
-
-    try:
-        model, tok, _, ckpt = load_trained(args.checkpoint)
-        out = export(model, args.output, tok)
-    except (ConfigError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"exported {ckpt} as {hf_config(model.args)['architectures'][0]} -> {out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -14,11 +14,11 @@ one line; fewer than two domains is an error.
 
 from __future__ import annotations
 
-import argparse
 import gzip
+import logging
 import re
-import sys
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +26,7 @@ import numpy as np
 from torchtitan_ext.data.corpus import builtin_tokenizer, stdlib_files
 from torchtitan_ext.data.shards import write_shard
 
+logger = logging.getLogger(__name__)
 _ROFF_FONT = re.compile(r"\\f(\[[^\]]*\]|\(..|.)")
 _ROFF_REQ = re.compile(r"^\.(?:[A-Za-z]{1,3})\s?")
 
@@ -65,8 +66,10 @@ def _read(path: Path) -> str:
 SOURCES = {"code": stdlib_files, "prose": _prose_files, "man": _man_files}
 
 
-def build(output: Path, tokenizer: str, vocab_size: int, cache_dir: Path, max_mb: float) -> dict[str, dict]:
-    """Write the shards; {domain: {"train": path, "val": path, "documents": n, "tokens": n}}."""
+def build(output: Path, tokenizer: str, vocab_size: int, cache_dir: Path, max_mb: float,
+          report: Callable[[str], None] = logger.info) -> dict[str, dict]:
+    """Write the shards; {domain: {"train": path, "val": path, "documents": n, "tokens": n}}. ``report``
+    receives one line per domain (and per skipped one)."""
     tok = builtin_tokenizer(tokenizer, vocab_size, cache_dir)
     eot = np.array([tok.eot_id], dtype=np.int32)
     built = {}
@@ -76,7 +79,7 @@ def build(output: Path, tokenizer: str, vocab_size: int, cache_dir: Path, max_mb
         except OSError:
             files = []
         if not files:
-            print(f"warning: domain {name!r}: no source files on this machine, skipped", file=sys.stderr)
+            report(f"warning: domain {name!r}: no source files on this machine, skipped")
             continue
         parts: dict[str, list[np.ndarray]] = {"train": [], "val": []}
         budget, docs = int(max_mb * 1e6), 0
@@ -101,30 +104,8 @@ def build(output: Path, tokenizer: str, vocab_size: int, cache_dir: Path, max_mb
             entry[split] = str(folder / f"{split}.bin")
             entry[f"{split}_tokens"] = int(sum(map(len, arrays)))
         built[name] = entry
-        print(f"{name}: {docs:,} documents, {entry['train_tokens']:,} train + {entry['val_tokens']:,} val tokens "
-              f"-> {folder}", file=sys.stderr)
+        report(f"{name}: {docs:,} documents, {entry['train_tokens']:,} train + {entry['val_tokens']:,} val "
+               f"tokens -> {folder}")
     if len(built) < 2:
         raise FileNotFoundError(f"only {len(built)} domain(s) found on this machine; mixing needs two or more")
     return built
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m torchtitan_ext.data.domains_corpus", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--output", default="~/.cache/torchtitan_ext/domains")
-    p.add_argument("--tokenizer", default="byte", help="byte, builtin, or a SentencePiece .model path")
-    p.add_argument("--tokenizer-vocab-size", type=int, default=4096)
-    p.add_argument("--cache-dir", default="~/.cache/torchtitan_ext")
-    p.add_argument("--max-mb", type=float, default=8.0, help="text per domain")
-    args = p.parse_args(argv)
-    try:
-        build(Path(args.output).expanduser(), args.tokenizer, args.tokenizer_vocab_size,
-              Path(args.cache_dir).expanduser(), args.max_mb)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

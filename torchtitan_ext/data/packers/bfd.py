@@ -10,15 +10,16 @@ documents no real token attends to it. The whole training split is packed in mem
 from __future__ import annotations
 
 import bisect
-import os
+import logging
 from pathlib import Path
 
 import numpy as np
 
-from torchtitan_ext.data.loader import TokenDataLoader
+from torchtitan_ext.data.base import Batch, EpochOrder, LoaderContext, PositionState, rows_to_batch
 from torchtitan_ext.data.shards import ShardError, read_shard
 
 PAD = -1
+logger = logging.getLogger(__name__)
 
 
 def bfd_bins(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -66,11 +67,14 @@ def pack(tokens: np.ndarray, eot_id: int, window: int) -> tuple[np.ndarray, floa
     return out, (float((out == PAD).sum()) / total if total else 0.0)
 
 
-class PackedDataLoader(TokenDataLoader):
-    """TokenDataLoader over BFD-packed windows of ``seq_len + 1`` tokens instead of a cut stream."""
+class PackedDataLoader(PositionState):
+    """Windows of ``seq_len + 1`` tokens packed with whole documents (same interface and state as the
+    concat loader). Its windows are not the shards' fixed windows: no sidecars, no document offsets."""
+
+    sidecars = None
 
     def __init__(self, shards: list[Path], seq_len: int, local_batch_size: int, dp_rank: int,
-                 dp_world_size: int, seed: int, shuffle: bool, eot_id: int = 0):
+                 dp_world_size: int, seed: int, shuffle: bool, eot_id: int = 0, *, vocab_limit: int = 0):
         self.shards, self.seq_len, self.local_batch_size = shards, seq_len, local_batch_size
         self.dp_rank, self.dp_world_size, self.seed, self.shuffle = dp_rank, dp_world_size, seed, shuffle
         stream = np.concatenate([np.asarray(read_shard(p), dtype=np.int64) for p in shards])
@@ -79,25 +83,24 @@ class PackedDataLoader(TokenDataLoader):
         if self.n_windows < local_batch_size * dp_world_size:
             raise ShardError(f"{shards[0].parent}: {self.n_windows} packed windows, fewer than one global batch "
                              f"({local_batch_size * dp_world_size})")
-        self.vocab_limit = 0
+        self.vocab_limit = vocab_limit
         self.position = 0
-        self._perm = None
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"data.packing = 'bfd': {self.n_windows:,} windows of {seq_len + 1} tokens, padding "
-                  f"{100 * self.padding_fraction:.2f}%", flush=True)
+        self._order = EpochOrder(self.n_windows, seed, shuffle)
+        logger.info(f"data.packing = 'bfd': {self.n_windows:,} windows of {seq_len + 1} tokens, padding "
+                    f"{100 * self.padding_fraction:.2f}%")
 
     def _window(self, g: int) -> tuple[np.ndarray, int]:
-        epoch, i = divmod(g, self.n_windows)
-        if self.shuffle:
-            if self._perm is None or self._perm[0] != epoch:
-                self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.n_windows))
-            i = int(self._perm[1][i])
-        return self.windows[i], 0
+        return self.windows[self._order(g)], 0
 
-    def next_batch(self):
-        from torchtitan_ext.data.mixing import rows_to_batch
-
+    def next_batch(self) -> Batch:
         first = self.position + self.dp_rank * self.local_batch_size
         rows = [self._window(first + j)[0] for j in range(self.local_batch_size)]
         self.position += self.local_batch_size * self.dp_world_size
         return rows_to_batch(rows, [0] * len(rows), self.vocab_limit, lambda d: str(self.shards[0].parent))
+
+
+def build(files: list[Path], ctx: LoaderContext, shuffle: bool, sidecars=None, documents=None) -> PackedDataLoader:
+    """The training loader; ``sidecars`` and ``documents`` do not apply to packed windows (distillation
+    refuses a loader without sidecars; the trainer derives document visibility from the inputs)."""
+    return PackedDataLoader(files, shuffle=shuffle, eot_id=ctx.eot_id, vocab_limit=ctx.vocab_limit,
+                            **ctx.window_args())

@@ -1,0 +1,61 @@
+"""The package's shape (benchmarks/structure.py): the layering the README's architecture section describes."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "torchtitan_ext"
+
+
+def _report() -> dict:
+    spec = importlib.util.spec_from_file_location("structure", REPO / "benchmarks" / "structure.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.report(PACKAGE)
+
+
+def test_layers_circles_and_function_sizes():
+    report = _report()
+    assert report["import_cycles"] == [["torchtitan_ext.comm.squinch", "torchtitan_ext.comm.squinch_triton"]]
+    assert len(report["upward_imports"]) <= 1, report["upward_imports"]
+    assert report["long_functions"] == []
+    assert 0 < report["trainer_init_lines"] < 60
+
+
+def test_library_modules_neither_print_nor_define_main():
+    """Only entry points (``__main__`` modules and the shared ``cli.py``) print, parse arguments or exit."""
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "__main__.py" or path == PACKAGE / "cli.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print":
+                offenders.append(f"{path.relative_to(REPO)}:{node.lineno} print")
+            if isinstance(node, ast.FunctionDef) and node.name == "main":
+                offenders.append(f"{path.relative_to(REPO)}:{node.lineno} def main")
+            if isinstance(node, ast.Attribute) and node.attr in ("exit", "_exit") and \
+                    isinstance(node.value, ast.Name) and node.value.id in ("sys", "os"):
+                offenders.append(f"{path.relative_to(REPO)}:{node.lineno} {node.value.id}.{node.attr}")
+    assert offenders == []
+
+
+def test_no_module_configured_through_class_attributes():
+    """Settings reach modules through constructors or explicit per-step calls: no class attribute of the
+    package is assigned from outside its class body."""
+    classes = set()
+    trees = {path: ast.parse(path.read_text()) for path in PACKAGE.rglob("*.py")}
+    for tree in trees.values():
+        classes.update(node.name for node in ast.walk(tree) if isinstance(node, ast.ClassDef))
+    offenders = []
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
+                if isinstance(node, ast.AugAssign | ast.AnnAssign) else []
+            for target in targets:
+                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and \
+                        target.value.id in classes:
+                    offenders.append(f"{path.relative_to(REPO)}:{node.lineno} {target.value.id}.{target.attr}")
+    assert offenders == []

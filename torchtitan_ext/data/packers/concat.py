@@ -1,0 +1,77 @@
+"""``data.packing = "concat"``: a deterministic, stateful, distributed loader of fixed-length windows from
+token shards.
+
+The shards' tokens are cut into windows of ``seq_len + 1`` tokens (inputs and the labels shifted by one),
+shuffled per epoch by a seeded permutation. Global step s uses the windows at global positions
+``[s * G, (s + 1) * G)`` with G the global micro-batch; data-parallel rank r reads its contiguous slice of
+``local_batch_size``. The state is one number, the global position, so it is the same on every rank and a
+checkpoint resumes under any world size with the same data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from torchtitan_ext.data.base import Batch, EpochOrder, LoaderContext, PositionState
+from torchtitan_ext.data.documents import Documents
+from torchtitan_ext.data.shards import ShardError, read_shard
+
+
+class TokenDataLoader(PositionState):
+    """``sidecars(loader)`` (distillation) is called once the windows are known; its result is read in step
+    with them. ``documents`` adds data.attention = "document" visibility and positions to every batch."""
+
+    def __init__(self, shards: list[Path], seq_len: int, local_batch_size: int, dp_rank: int,
+                 dp_world_size: int, seed: int, shuffle: bool, *, vocab_limit: int = 0,
+                 documents: Documents | None = None, sidecars: Callable | None = None):
+        self.shards, self.seq_len, self.local_batch_size = shards, seq_len, local_batch_size
+        self.dp_rank, self.dp_world_size, self.seed, self.shuffle = dp_rank, dp_world_size, seed, shuffle
+        self.tokens = [read_shard(p) for p in shards]
+        self.first_window = np.cumsum([0] + [max(0, (len(t) - 1) // seq_len) for t in self.tokens])
+        self.n_windows = int(self.first_window[-1])
+        if self.n_windows < local_batch_size * dp_world_size:
+            raise ShardError(f"{shards[0].parent}: {self.n_windows} windows of {seq_len + 1} tokens in "
+                             f"{len(shards)} shard(s), fewer than one global batch "
+                             f"({local_batch_size * dp_world_size})")
+        self.vocab_limit = vocab_limit
+        self.position = 0
+        self._order = EpochOrder(self.n_windows, seed, shuffle)
+        self.documents = documents
+        self.sidecars = sidecars(self) if sidecars is not None else None  # distill.sidecar.SidecarSet
+
+    def _window(self, g: int) -> tuple[np.ndarray, int]:
+        shard, start = self.window_start(g)
+        return self.tokens[shard][start:start + self.seq_len + 1], shard
+
+    def window_start(self, g: int) -> tuple[int, int]:
+        """(shard, first token) of global window ``g``."""
+        i = self._order(g)
+        shard = int(np.searchsorted(self.first_window, i, side="right")) - 1
+        return shard, (i - int(self.first_window[shard])) * self.seq_len
+
+    def next_batch(self) -> Batch:
+        first = self.position + self.dp_rank * self.local_batch_size
+        windows = [self._window(first + j) for j in range(self.local_batch_size)]
+        self.position += self.local_batch_size * self.dp_world_size
+        data = torch.from_numpy(np.stack([w for w, _ in windows]).astype(np.int64))
+        domains = torch.tensor([s for _, s in windows])
+        if self.vocab_limit and int(data.max()) >= self.vocab_limit:
+            bad = int(domains[data.max(dim=1).values.argmax()])
+            raise ShardError(f"{self.shards[bad]}: token id {int(data.max())} >= model vocabulary "
+                             f"{self.vocab_limit}; set model.vocab_size")
+        starts = [self.window_start(first + j) for j in range(self.local_batch_size)]
+        teacher = self.sidecars.read(starts, self.seq_len) if self.sidecars is not None else None
+        batch = Batch(data[:, :-1], data[:, 1:], domains, teacher=teacher)
+        if self.documents is not None:
+            batch.visibility, batch.positions = self.documents.batch(batch.inputs, self.tokens, starts)
+        return batch
+
+
+def build(files: list[Path], ctx: LoaderContext, shuffle: bool, sidecars: Callable | None = None,
+          documents: Documents | None = None) -> TokenDataLoader:
+    return TokenDataLoader(files, shuffle=shuffle, vocab_limit=ctx.vocab_limit, documents=documents,
+                           sidecars=sidecars, **ctx.window_args())

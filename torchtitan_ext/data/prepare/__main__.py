@@ -1,0 +1,149 @@
+"""``python -m torchtitan_ext.data.prepare``: arguments, console lines (progress on one refreshed stderr
+line, the report) and exit codes; the work is ``torchtitan_ext.data.prepare.prepare`` (and, with
+``--trees``, ``torchtitan_ext.data.sources.trees.prepare_trees``)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from torchtitan_ext.cli import run_tool
+from torchtitan_ext.data.corpus import builtin_tokenizer
+from torchtitan_ext.data.filters import HeuristicRules, model_scores
+from torchtitan_ext.data.prepare import FILTERS, Hooks, Options, Progress, prepare
+from torchtitan_ext.data.prepare import __doc__ as DESCRIPTION
+from torchtitan_ext.data.shards import write_shard
+from torchtitan_ext.data.sources.trees import TreeError, prepare_trees
+from torchtitan_ext.errors import UserError
+
+
+def perplexity_scores(texts: list[str], checkpoint: str, max_tokens: int = 2048, batch_size: int = 16) -> np.ndarray:
+    """Mean next-token loss (nats) of each text under a dump folder's model, with its own tokenizer (on GPU
+    when present): the ``ppl`` filter's scorer."""
+    import torch
+
+    from torchtitan_ext.eval.load import load_trained
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, tok, _, _ = load_trained(checkpoint, device)
+    return model_scores(texts, model, tok, device, max_tokens, batch_size)
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+class _ConsoleProgress:
+    """Documents, tokens, MB/s and ETA on one refreshed stderr line."""
+
+    def __init__(self) -> None:
+        self.open_line = False  # a progress line waits for its newline
+
+    def __call__(self, p: Progress, final: bool) -> None:
+        print(f"\r{p.label}: {p.docs:,} docs  {p.tokens:,} tokens  {p.mb_per_s:.2f} MB/s  "
+              f"{100 * min(1.0, p.bytes / max(p.total, 1)):5.1f}%  ETA {p.eta:.0f}s   ",
+              end="\n" if final else "", file=sys.stderr, flush=True)
+        self.open_line = not final
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m torchtitan_ext.data.prepare", description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", required=True, nargs="+", help="files or globs (.txt, .jsonl, other text)")
+    p.add_argument("--output-dir", "--output", dest="output", required=True, help="folder for the shards")
+    p.add_argument("--tokenizer", default="byte", help="byte, builtin, or a SentencePiece .model path")
+    p.add_argument("--tokenizer-vocab-size", type=int, default=4096, help="for --tokenizer builtin")
+    p.add_argument("--cache-dir", default="~/.cache/torchtitan_ext")
+    p.add_argument("--text-key", default="text", help="JSONL field holding the document")
+    p.add_argument("--shard-tokens", type=int, default=100_000_000)
+    p.add_argument("--val-shards", type=int, default=0)
+    p.add_argument("--workers", type=int, default=1, help="tokenizing processes")
+    p.add_argument("--chunk-docs", type=int, default=64, help="documents per work item")
+    p.add_argument("--filters", default="", help=f"comma-separated, applied in order: {', '.join(FILTERS)}")
+    p.add_argument("--min-tokens", type=int, default=HeuristicRules.min_tokens)
+    p.add_argument("--max-tokens", type=int, default=HeuristicRules.max_tokens)
+    p.add_argument("--max-symbol-ratio", type=float, default=HeuristicRules.max_symbol_ratio)
+    p.add_argument("--max-repeat-ratio", type=float, default=HeuristicRules.max_repeat_ratio)
+    p.add_argument("--minhash-threshold", type=float, default=0.8, help="estimated Jaccard above which a "
+                   "document is a near duplicate")
+    p.add_argument("--ppl-checkpoint", default="", help="dump folder of our reference model (ppl filter)")
+    p.add_argument("--ppl-percentile", type=float, default=90.0, help="drop documents scoring above it")
+    p.add_argument("--ppl-max-tokens", type=int, default=2048, help="tokens scored per document")
+    p.add_argument("--trees", action="store_true", help="JSONL conversation trees (one per line) -> shards of "
+                   "whole trees with node sidecars, for data.attention = 'tree' (torchtitan_ext.data.sources.trees)")
+    return p
+
+
+def _user_errors(e: ValueError) -> UserError:
+    """A ValueError of the input (an undecodable file, a bad number) as the user mistake it is."""
+    return e if isinstance(e, UserError) else UserError(str(e))
+
+
+def _prepare(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    if args.trees:
+        return _trees(args.input, args.output, args.tokenizer, args.tokenizer_vocab_size, args.cache_dir,
+                      args.shard_tokens)
+    opts = Options(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Options)})
+    scorer = (lambda texts: perplexity_scores(texts, opts.ppl_checkpoint, opts.ppl_max_tokens)) \
+        if opts.ppl_checkpoint else None
+    show = _ConsoleProgress()
+    hooks = Hooks(warn=_stderr, note=_stderr, show=show, write=write_shard, ppl_scorer=scorer)
+    try:
+        report = prepare(opts, hooks)
+    except ValueError as e:
+        if show.open_line:
+            print(file=sys.stderr)
+        raise _user_errors(e) from None
+    if report is not None:
+        _stderr(json.dumps(report))
+        _stderr(f"wrote {report['tokens']:,} tokens from {report['documents_kept']:,} documents: "
+                f"{report['train_shards']} train and {report['val_shards']} val shards in {Path(opts.output)}")
+    return 0
+
+
+def _trees(inputs: list[str], output: str, tokenizer: str, vocab_size: int, cache_dir: str, shard_tokens: int) -> int:
+    files = sorted({Path(f) for pattern in inputs for f in (glob.glob(pattern) or [pattern])})
+    try:
+        missing = [f for f in files if not f.is_file()]
+        if missing:
+            raise TreeError(f"{missing[0]}: no such file")
+        tok = builtin_tokenizer(tokenizer, vocab_size, Path(cache_dir).expanduser())
+        counts = prepare_trees(files, Path(output), tok, shard_tokens)
+    except UnicodeDecodeError as e:
+        raise _user_errors(e) from None
+    print(f"{counts['trees']:,} trees, {counts['nodes']:,} nodes, {counts['tokens']:,} tokens in "
+          f"{counts['shards']} shard(s) under {output}")
+    return 0
+
+
+def _trees_cli(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m torchtitan_ext.data.prepare --trees",
+                                 description="JSONL conversation trees -> token shards with node sidecars")
+    ap.add_argument("--input", nargs="+", required=True, help="JSONL files or globs, one tree per line")
+    ap.add_argument("--output-dir", required=True)
+    ap.add_argument("--tokenizer", default="byte", help="byte, builtin or a SentencePiece .model path")
+    ap.add_argument("--tokenizer-vocab-size", type=int, default=4096)
+    ap.add_argument("--cache-dir", default="~/.cache/torchtitan_ext")
+    ap.add_argument("--shard-tokens", type=int, default=1 << 26)
+    a = ap.parse_args(argv)
+    return _trees(a.input, a.output_dir, a.tokenizer, a.tokenizer_vocab_size, a.cache_dir, a.shard_tokens)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_tool(_prepare, argv)
+
+
+def trees_main(argv: list[str] | None = None) -> int:
+    """The trees mode alone (the former ``python -m torchtitan_ext.data.trees``)."""
+    return run_tool(_trees_cli, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

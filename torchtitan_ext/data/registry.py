@@ -1,0 +1,93 @@
+"""The data layer's one entry: ``cfg.data`` -> tokenizer, loaders and the helpers handed to them.
+
+Sources and packers are tables: a new source (parquet, Hugging Face datasets, chat data) is a module under
+``data/sources/`` with ``build(data, ctx) -> (training loader, validation loader(s) or None)`` and one line
+in ``SOURCES``; a packer is a module under ``data/packers/`` with ``build(files, ctx, shuffle, sidecars=None,
+documents=None)`` and one line in ``PACKERS``. Nothing else in ``data/`` imports this module.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from torchtitan_ext.config.job_config import DataSection, JobConfig
+from torchtitan_ext.config.loader import ConfigError
+from torchtitan_ext.data.base import Loader, LoaderContext, PretokenizedVocab, Tokenizer
+from torchtitan_ext.data.corpus import builtin_tokenizer
+from torchtitan_ext.data.documents import Documents
+from torchtitan_ext.data.packers import bfd, concat
+from torchtitan_ext.data.sources import builtin, domains, shards, trees
+
+SOURCES: dict[str, Callable] = {
+    "builtin": builtin.build,
+    "shards": shards.build,
+    "trees": trees.build,
+    "domains": domains.build,
+}
+PACKERS: dict[str, Callable] = {
+    "concat": concat.build,
+    "bfd": bfd.build,
+}
+
+
+@dataclass
+class DataBundle:
+    loader: Loader  # training loader (a MixingLoader with data.domains)
+    val_loader: Loader | dict[str, Loader] | None
+    documents: Documents | None  # data.attention == "document": the helper the loaders use
+
+
+def build_tokenizer(data: DataSection) -> Tokenizer:
+    """``data.tokenizer``: byte, builtin (trained on the corpus, cached), a SentencePiece model path, or none
+    (pretokenized shards; the vocabulary comes from model.vocab_size)."""
+    if data.tokenizer == "none":
+        if data.dataset == "builtin":
+            raise ConfigError("data.tokenizer = 'none' needs data.dataset = 'shards' (the built-in corpus is "
+                              "raw text)")
+        return PretokenizedVocab()
+    return builtin_tokenizer(data.tokenizer, data.tokenizer_vocab_size, _cache_dir(data))
+
+
+def source_name(data: DataSection) -> str:
+    """The ``SOURCES`` key ``cfg.data`` selects."""
+    if data.attention == "tree":
+        return "trees"
+    if data.domains:
+        return "domains"
+    return data.dataset
+
+
+def build_documents(data: DataSection, tokenizer) -> Documents | None:
+    if data.attention != "document":
+        return None
+    eot_id = getattr(tokenizer, "eot_id", None)
+    if eot_id is None:
+        raise ConfigError("data.attention = 'document' needs a tokenizer with an end-of-text token")
+    return Documents(eot_id, data.position_reset)
+
+
+def build_loaders(cfg: JobConfig, tokenizer, *, dp_rank: int, dp_world_size: int, vocab_limit: int,
+                  sidecars: Callable[[Loader], object] | None = None) -> DataBundle:
+    """Training and validation loaders of this data-parallel rank. ``vocab_limit``: a token id >= it stops
+    the job naming its shard (0: unchecked). ``sidecars(loader)``: distillation's sidecars, built by the
+    plain shard stream (other loaders leave ``loader.sidecars`` None)."""
+    d, t = cfg.data, cfg.training
+    name, packing = source_name(d), d.packing
+    if name not in SOURCES:
+        raise ConfigError(f"data.dataset = {d.dataset!r}: unknown source; valid: {', '.join(SOURCES)}")
+    if packing not in PACKERS:
+        raise ConfigError(f"data.packing = {packing!r}: unknown packer; valid: {', '.join(PACKERS)}")
+    documents = build_documents(d, tokenizer)
+    ctx = LoaderContext(tokenizer=tokenizer, cache_dir=_cache_dir(d), seq_len=t.seq_len,
+                        local_batch_size=t.local_batch_size, dp_rank=dp_rank, dp_world_size=dp_world_size,
+                        seed=cfg.job.seed, shuffle=d.shuffle, vocab_limit=vocab_limit, packer=PACKERS[packing],
+                        documents=documents, sidecars=sidecars)
+    loader, val_loader = SOURCES[name](d, ctx)
+    return DataBundle(loader, val_loader, documents)
+
+
+def _cache_dir(data: DataSection) -> Path:
+    return Path(os.path.expanduser(data.cache_dir))

@@ -1,0 +1,52 @@
+"""Validation loss of a model loaded on one process: each validation split's token stream (every domain's
+with ``[[data.domains]]``), its first ``eval.steps x local_batch_size`` windows' worth of tokens (all of it
+when ``eval.steps = 0``), scored with sliding windows when ``eval.stride > 0``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from torchtitan_ext.config.job_config import JobConfig
+from torchtitan_ext.config.loader import ConfigError
+from torchtitan_ext.data.registry import build_loaders, build_tokenizer
+from torchtitan_ext.eval.bpb import summarize, token_bytes
+from torchtitan_ext.eval.sliding import eval_tokens, sliding_sums, split_stream
+
+
+def validation_streams(cfg: JobConfig) -> dict[str, np.ndarray]:
+    """Validation token stream by domain name ("" without domains)."""
+    d, t = cfg.data, cfg.training
+    # plain causal windows, one per batch, in order: the validation shards' token streams are what is read
+    plain = dataclasses.replace(cfg, training=dataclasses.replace(t, local_batch_size=1), data=dataclasses.replace(
+        d, shuffle=False, mixing="static", packing="concat", attention="causal", position_reset=False))
+    val = build_loaders(plain, build_tokenizer(plain.data), dp_rank=0, dp_world_size=1, vocab_limit=0).val_loader
+    if val is None:
+        raise ConfigError("no validation split: set data.val_path, or val in every [[data.domains]] table")
+    loaders = val if isinstance(val, dict) else {"": val}
+    limit = eval_tokens(cfg.eval.steps, t.local_batch_size, t.seq_len)
+    return {name: split_stream(loader, limit) for name, loader in loaders.items()}
+
+
+def stream_sums(model: torch.nn.Module, streams: dict[str, np.ndarray], cfg: JobConfig,
+                table: torch.Tensor | None) -> torch.Tensor:
+    """Per-stream [loss x tokens, tokens, bytes] (rows as in ``eval.bpb.batch_sums``)."""
+    t = cfg.training
+    try:
+        return torch.stack([sliding_sums(model, torch.from_numpy(s.astype(np.int64)), t.seq_len, cfg.eval.stride,
+                                         t.local_batch_size, table) for s in streams.values()])
+    except ValueError as e:  # sliding.windows: eval.stride out of range, or fewer tokens than one window
+        raise ConfigError(str(e)) from None
+
+
+def evaluate_model(model: torch.nn.Module, tokenizer, cfg: JobConfig,
+                   streams: dict[str, np.ndarray] | None = None) -> tuple[float, dict[str, float], int]:
+    """(validation loss, val_bpb and per-domain figures, scored tokens) of ``model`` on the job's splits."""
+    streams = validation_streams(cfg) if streams is None else streams
+    table = token_bytes(tokenizer, model.args.vocab_size)
+    device = next(model.parameters()).device
+    sums = stream_sums(model, streams, cfg, table.to(device) if table is not None else None)
+    val, metrics = summarize(list(streams), sums)
+    return val, metrics, int(sums[:, 1].sum())

@@ -1,0 +1,267 @@
+"""The staged builder: config -> runtime and mesh -> data -> model (args -> meta model -> converters ->
+parallelize -> materialise and initialise) -> training pieces. Each stage is a function with explicit inputs
+and outputs; ``build_run`` calls them in order for the trainer, and the tools (teacher pass, quant export)
+call the stages they need."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from torchtitan_ext.comm.compressed_collectives import CommStats, apply_gradient_compression
+from torchtitan_ext.config.job_config import JobConfig
+from torchtitan_ext.config.loader import ConfigError
+from torchtitan_ext.data.registry import DataBundle, build_loaders, build_tokenizer
+from torchtitan_ext.data.shards import loader_shards, scan_shards
+from torchtitan_ext.distill.student import sidecar_factory
+from torchtitan_ext.eval.sliding import check_trainer_stride
+from torchtitan_ext.models.args import ComputeOptions, ModelArgs
+from torchtitan_ext.models.decoder import Decoder
+from torchtitan_ext.models.flavors import resolve_model_args
+from torchtitan_ext.models.param_count import count_params
+from torchtitan_ext.ops.attention_backend import attention_backend
+from torchtitan_ext.ops.kernels import check_kernels
+from torchtitan_ext.parallel.dims import ParallelDims
+from torchtitan_ext.parallel.ep import check_ep
+from torchtitan_ext.parallel.fsdp import apply_ddp
+from torchtitan_ext.parallel.init import materialize_and_init
+from torchtitan_ext.parallel.parallelize import parallelize_decoder
+from torchtitan_ext.parallel.pp import check_schedule, split_stages
+from torchtitan_ext.parallel.tp import check_tp
+from torchtitan_ext.quant.float8 import check_float8_supported
+from torchtitan_ext.quant.swap import convert_model
+from torchtitan_ext.train.batch_warmup import BatchWarmup
+from torchtitan_ext.train.determinism import make_deterministic
+from torchtitan_ext.train.ema import EMA
+from torchtitan_ext.train.nonfinite import NonFiniteGuard
+from torchtitan_ext.train.optim import Optimizers
+from torchtitan_ext.train.spike_guard import SpikeGuard
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Runtime:
+    """Where this process runs: its device, its rank and the mesh of parallel dimensions."""
+    device: torch.device
+    rank: int
+    dims: ParallelDims
+
+
+@dataclasses.dataclass
+class BatchPlan:
+    """How one optimizer step's global batch splits into micro-batches (changing under batch warmup)."""
+    accum_steps: int
+    global_batch_size: int
+    tokens_per_micro: int  # one micro-batch over all data-parallel ranks
+    warmup: BatchWarmup | None
+
+    def tokens_through(self, step: int) -> int:
+        """Training tokens consumed by steps 1..step (all ranks), batch warmup included."""
+        if self.warmup is not None:
+            return self.warmup.tokens_through(step)
+        return step * self.accum_steps * self.tokens_per_micro
+
+
+@dataclasses.dataclass
+class BuiltModel:
+    """The model laid out on this rank: one part, or this rank's pipeline stages."""
+    args: ModelArgs
+    parts: list[nn.Module]
+    counts: dict[str, int]
+    stages: list[tuple[int, nn.Module]] | None  # (stage id, module) under pipeline parallelism
+    loss_parallel: bool  # TP without PP: the loss runs on vocabulary-sharded logits
+
+
+@dataclasses.dataclass
+class TrainingParts:
+    optimizers: Optimizers
+    spike_guard: SpikeGuard
+    nonfinite: NonFiniteGuard
+    ema: EMA | None
+    compression: object | None  # comm.compressed_collectives handle, or None
+    comm_stats: CommStats | None
+
+
+@dataclasses.dataclass
+class BuiltRun:
+    cfg: JobConfig
+    runtime: Runtime
+    batches: BatchPlan
+    tokenizer: object
+    data: DataBundle
+    model: BuiltModel
+    training: TrainingParts
+
+
+def init_distributed(device_type: str, timeout_seconds: int = 1800) -> None:
+    """torchrun sets RANK/WORLD_SIZE; a plain ``python -m`` run becomes a world of one. ``timeout_seconds``:
+    how long a collective may hang (a dead peer) before the job fails and torchrun can restart it."""
+    if dist.is_initialized():
+        return
+    backend = "cuda:nccl,cpu:gloo" if device_type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_seconds)
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ:  # torchrun keeps its store across restarts: a fresh prefix
+        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))  # hides the dead workers' keys
+        store = dist.PrefixStore(f"attempt-{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    elif "RANK" in os.environ:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def build_runtime(cfg: JobConfig) -> Runtime:
+    """Pick the device, check what it can run, start the process group and build the mesh."""
+    want_cuda = cfg.job.device == "cuda" or (cfg.job.device == "auto" and torch.cuda.is_available())
+    if want_cuda and not torch.cuda.is_available():
+        raise ConfigError("job.device = 'cuda' but no CUDA device is visible")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if want_cuda else torch.device("cpu")
+    check_float8_supported(cfg.float8, device, cfg.training.fused_linear_ce)
+    if (why := check_kernels(cfg.training.kernels, device)) is not None:
+        raise ConfigError(why)
+    if cfg.training.deterministic:  # before CUDA starts: cuBLAS reads its workspace setting once
+        make_deterministic(cfg.job.seed)
+    if want_cuda:
+        torch.cuda.set_device(device)
+    init_distributed(device.type, cfg.comm.timeout_seconds)
+    dims = ParallelDims.from_config(cfg.parallelism, dist.get_world_size())
+    log.info(f"parallelism: {dims.describe()}; device {device.type}")
+    return Runtime(device, dist.get_rank(), dims)
+
+
+def plan_batches(cfg: JobConfig, dims: ParallelDims) -> BatchPlan:
+    """Micro-batches per step from the global batch and the data-parallel degree."""
+    t = cfg.training
+    per_step = t.local_batch_size * dims.dp
+    gbs = per_step if t.global_batch_size == -1 else t.global_batch_size
+    if gbs % per_step:
+        raise ConfigError(f"training.global_batch_size = {gbs} must be a multiple of local_batch_size x "
+                          f"data-parallel degree = {t.local_batch_size} x {dims.dp}")
+    accum = gbs // per_step
+    tokens_per_micro = per_step * t.seq_len
+    warmup = BatchWarmup(accum, min(t.batch_warmup_start, accum), tokens_per_micro, t.batch_warmup_tokens,
+                         t.steps) if t.batch_warmup_tokens else None
+    return BatchPlan(accum, gbs, tokens_per_micro, warmup)
+
+
+def build_data(cfg: JobConfig, dims: ParallelDims) -> tuple[object, ModelArgs, DataBundle]:
+    """(tokenizer, model arguments, loaders): the vocabulary sizes the model, whose vocabulary bounds the
+    token ids the loaders accept; every shard is scanned now, so a bad one stops the job before any work."""
+    tokenizer = build_tokenizer(cfg.data)
+    args = resolve_model_args(cfg, tokenizer.vocab_size)
+    data = build_loaders(cfg, tokenizer, dp_rank=dims.dp_rank, dp_world_size=dims.dp, vocab_limit=args.vocab_size,
+                         sidecars=sidecar_factory(cfg))
+    check_trainer_stride(cfg, data.val_loader)
+    scan_shards(loader_shards(data.loader) + loader_shards(data.val_loader), args.vocab_size,
+                os.path.expanduser(cfg.data.cache_dir))
+    return tokenizer, args, data
+
+
+def compute_options(cfg: JobConfig, dims: ParallelDims) -> ComputeOptions:
+    """How the model computes in this run. Under TP the residual stream and the norms are DTensors, which the
+    fused norm kernels do not take: there only the activation is fused."""
+    triton = cfg.training.kernels == "triton"
+    return ComputeOptions(fused_norm=triton and dims.tp == 1, fused_activation=triton,
+                          attention_z_reg=cfg.training.attention_z_reg,
+                          return_hidden=cfg.training.fused_linear_ce)
+
+
+def check_layout(cfg: JobConfig, args: ModelArgs, dims: ParallelDims) -> None:
+    """The model's shape against the TP and EP degrees, one line each."""
+    try:
+        if dims.tp > 1:
+            check_tp(args, dims.tp)
+            if cfg.training.seq_len % dims.tp:  # sequence parallel splits each sequence evenly over TP ranks
+                raise ValueError(f"training.seq_len = {cfg.training.seq_len} must be divisible by "
+                                 f"parallelism.tp = {dims.tp} (sequence parallel shards the sequence)")
+        if dims.ep > 1:
+            check_ep(args.n_experts, dims.ep, dims.tp)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def pp_microbatches(cfg: JobConfig, dims: ParallelDims) -> int:
+    p = cfg.parallelism
+    return p.pp_microbatches or dims.pp * p.pp_virtual_stages
+
+
+def build_model(cfg: JobConfig, runtime: Runtime, args: ModelArgs) -> BuiltModel:
+    """Meta model -> converters -> pipeline split -> parallelize -> materialise and initialise (every weight
+    depends only on the seed and its name, so the same seed gives the same model on any layout)."""
+    dims, device = runtime.dims, runtime.device
+    check_layout(cfg, args, dims)
+    with torch.device("meta"):
+        model = Decoder(args, compute_options(cfg, dims))
+    counts = count_params(args)
+    log.info(f"model {cfg.model.flavor}: {counts['total']:,} parameters ({counts['active']:,} active per token, "
+             f"{counts['embedding']:,} embedding); KV cache {counts['kv_per_token']:,} values per token")
+    for line in convert_model(model, cfg):  # before TP and FSDP, which shard the swapped modules' weights
+        log.info(line)
+    plan = model.init_plan()
+    loss_parallel = dims.tp > 1 and dims.pp == 1  # a last pipeline stage gathers its logits
+    stages = None
+    parts = [model]
+    if dims.pp > 1:
+        p = cfg.parallelism
+        check_schedule(p.pp_schedule, p.pp_virtual_stages, pp_microbatches(cfg, dims), dims.pp,
+                       cfg.training.local_batch_size)
+        stages = split_stages(model, dims.submesh("pp").get_local_rank(), dims.pp, p.pp_virtual_stages,
+                              p.pp_schedule, p.pp_split_points)
+        parts = [m for _, m in stages]
+    for part in parts:
+        parallelize_decoder(part, dims, cfg, on_gpu=device.type == "cuda", loss_parallel=loss_parallel)
+        materialize_and_init(part, device, cfg.job.seed, plan)
+        part.init_buffers(device)
+        part.train()
+    return BuiltModel(args, parts, counts, stages, loss_parallel)
+
+
+def build_training(cfg: JobConfig, runtime: Runtime, model: BuiltModel) -> TrainingParts:
+    """DDP wrapping and gradient compression (they replace the parts), optimizers, guards and the EMA."""
+    dims = runtime.dims
+    if dims.ddp_enabled:
+        model.parts = [apply_ddp(m, dims.submesh("dp")) for m in model.parts]
+    comm_stats = CommStats()  # gradient bytes handed to the data-parallel collectives
+    compression = apply_gradient_compression(model.parts, cfg.comm, dims, comm_stats, log=log.info)
+    t = cfg.training
+    if cfg.eval.use_ema and not cfg.ema.decay:
+        raise ConfigError("eval.use_ema = true needs an EMA: set ema.decay (for example 0.999)")
+    ema = EMA(model.parts, cfg.ema.decay, cfg.ema.every, cfg.ema.start_step) if cfg.ema.decay else None
+    return TrainingParts(
+        optimizers=Optimizers(model.parts, cfg.optimizer),
+        spike_guard=SpikeGuard(t.spike_factor, t.spike_window, t.spike_lr_scale, t.spike_guard),
+        nonfinite=NonFiniteGuard(t.max_skipped_steps, log.info),
+        ema=ema, compression=compression, comm_stats=comm_stats if compression is not None else None)
+
+
+def uses_autocast(cfg: JobConfig, runtime: Runtime) -> bool:
+    """bf16 autocast when FSDP does not cast the parameters itself (one GPU, DDP)."""
+    return runtime.device.type == "cuda" and not runtime.dims.fsdp_enabled and \
+        cfg.training.mixed_precision_param == "bfloat16"
+
+
+def forward_context(cfg: JobConfig, runtime: Runtime) -> contextlib.ExitStack:
+    """What every forward pass runs under: bf16 autocast where needed, and the chosen SDPA backend."""
+    stack = contextlib.ExitStack()
+    if uses_autocast(cfg, runtime):
+        stack.enter_context(torch.autocast("cuda", dtype=torch.bfloat16))
+    stack.enter_context(attention_backend(cfg.training.attention_backend, runtime.device))
+    return stack
+
+
+def build_run(cfg: JobConfig) -> BuiltRun:
+    """Every stage, in order, for the trainer."""
+    runtime = build_runtime(cfg)
+    batches = plan_batches(cfg, runtime.dims)
+    tokenizer, args, data = build_data(cfg, runtime.dims)
+    model = build_model(cfg, runtime, args)
+    training = build_training(cfg, runtime, model)
+    return BuiltRun(cfg, runtime, batches, tokenizer, data, model, training)
