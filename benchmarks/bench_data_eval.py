@@ -57,7 +57,7 @@ def bench_prepare(out: Path, smoke: bool) -> None:
 def bench_generate(smoke: bool) -> None:
     """Eager and compiled decoding (``generate(compile=...)``) at each batch size: a warm-up call of the same
     shapes first (it holds the compilation and the CUDA graph recording; untimed), then the timed call."""
-    from torchtitan_ext.generate import generate
+    from torchtitan_ext.generate.decoding import generate
     from torchtitan_ext.models.decoder import Decoder
     from torchtitan_ext.models.flavors import get_flavor
 

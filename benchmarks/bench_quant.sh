@@ -58,10 +58,11 @@ PYEOF
 import sys
 from pathlib import Path
 import numpy as np
-from torchtitan_ext.data.corpus import builtin_shards, builtin_tokenizer
+from torchtitan_ext.data.corpus import builtin_shards
+from torchtitan_ext.data.tokenizers import open_tokenizer
 from torchtitan_ext.data.shards import read_shard, write_shard
 cache = Path("~/.cache/torchtitan_ext").expanduser()
-train, _ = builtin_shards(builtin_tokenizer("byte", 4096, cache), cache)
+train, _ = builtin_shards(open_tokenizer("byte", 4096, cache), cache)
 (Path(sys.argv[1]) / "teacher_data").mkdir(exist_ok=True)
 write_shard(Path(sys.argv[1]) / "teacher_data" / "t_0.bin", np.asarray(read_shard(train)[:int(sys.argv[2])]))
 PYEOF

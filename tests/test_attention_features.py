@@ -311,7 +311,7 @@ def _write_trees(path, n: int, seed: int) -> list[dict]:
 
 def test_tree_shards_and_windows(tmp_path):
     from torchtitan_ext.data.sources.trees import TreeDataLoader, prepare_trees
-    from torchtitan_ext.data.tokenizer import ByteTokenizer
+    from torchtitan_ext.data.tokenizers import ByteTokenizer
 
     _write_trees(tmp_path / "t.jsonl", 30, 0)
     tok = ByteTokenizer()

@@ -10,7 +10,7 @@ import pytest
 from torchtitan_ext.data.packers.concat import TokenDataLoader
 from torchtitan_ext.data.prepare.__main__ import main as prepare
 from torchtitan_ext.data.shards import MAGIC, ShardError, read_shard, write_shard
-from torchtitan_ext.data.tokenizer import ByteTokenizer
+from torchtitan_ext.data.tokenizers import ByteTokenizer
 
 
 def test_shard_header_and_roundtrip(tmp_path):

@@ -15,8 +15,8 @@ from torchtitan_ext.config.loader import parse_args
 from torchtitan_ext.models.decoder import Decoder
 from torchtitan_ext.models.flavors import get_flavor
 from torchtitan_ext.parallel.grad_norm import grad_norm
-from torchtitan_ext.plan import GRADS, block_activations, head_activations, plan
 from torchtitan_ext.plan.__main__ import main
+from torchtitan_ext.plan.estimate import GRADS, block_activations, head_activations, plan
 from torchtitan_ext.train.losses import cross_entropy_loss
 from torchtitan_ext.train.optim import Optimizers
 

@@ -16,7 +16,7 @@ import torchtitan_ext.data.prepare.__main__ as prep
 from torchtitan_ext.data.filters import SHINGLE, NearDuplicates
 from torchtitan_ext.data.prepare.__main__ import perplexity_scores
 from torchtitan_ext.data.shards import read_shard
-from torchtitan_ext.data.tokenizer import ByteTokenizer
+from torchtitan_ext.data.tokenizers import ByteTokenizer
 
 
 def _docs_of(out: Path) -> list[str]:

@@ -22,7 +22,7 @@ from trainer_utils import losses, read_metrics, run_trainer
 
 from torchtitan_ext.comm.squinch import BLOCK, BLOCK_BYTES
 from torchtitan_ext.config.loader import parse_args
-from torchtitan_ext.data.tokenizer import ByteTokenizer
+from torchtitan_ext.data.tokenizers import ByteTokenizer
 from torchtitan_ext.models.decoder import Decoder
 from torchtitan_ext.models.flavors import resolve_model_args
 

@@ -109,6 +109,11 @@ def error_line(message: object) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
 
 
+def user_error(e: ValueError) -> UserError:
+    """A ValueError of the input (an undecodable file, a bad number) as the user mistake it is."""
+    return e if isinstance(e, UserError) else UserError(str(e))
+
+
 def run_tool(main: Callable[[list[str]], int | None], argv: list[str] | None = None) -> int:
     """Run ``main(argv)``; a user mistake is one line and exit code 2, a run that stopped itself one line and
     exit code 3. The process group, if one was started, is destroyed either way."""

@@ -16,6 +16,16 @@ skipped with one line naming it and the checkpoint used instead; when every one 
 (``CheckpointUnreadable``, exit 2) rather than silently training from step 0, unless
 ``checkpoint.allow_fresh_start``. An async save still pending when the job ends (normally or by an
 exception) is waited for and published if DCP finished writing it, else removed, never left half-done.
+
+A resume checks what it resumes: the model's parameters (names and global shapes, over every rank's stages)
+are compared with the checkpoint's before loading, and a missing, unexpected or reshaped parameter stops the
+job with one line naming it and both values (``CheckpointMismatch``, exit 2) instead of loading what fits.
+
+Resuming an older step is a branch: the checkpoints newer than the one loaded are moved aside to
+``abandoned-<UTC time>/`` (one line), never deleted, so "latest" is always this run's newest save and
+``keep_latest_k`` counts this run's saves. A save that fails with an OS error (no space, read-only) removes
+its partial ``step-N.tmp``, leaves the previous checkpoint as it was and stops the job with one line naming
+the path and the error (``CheckpointWriteFailed``, exit 2).
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
+from torchtitan_ext.checkpoint.run_folder import os_error_text, unique, utc_stamp
 from torchtitan_ext.config.job_config import CheckpointSection
 from torchtitan_ext.errors import UserError
 
@@ -72,6 +83,43 @@ class ModelParts:
 
 class CheckpointUnreadable(UserError):
     """Checkpoints exist but none can be loaded (or the one ``load_step`` names cannot)."""
+
+
+class CheckpointMismatch(UserError):
+    """The checkpoint's parameters are not the model's (a missing, unexpected or reshaped one)."""
+
+
+class CheckpointWriteFailed(UserError):
+    """A save failed with an OS error (no space, read-only, permission); the previous checkpoint is intact."""
+
+
+def _shape_text(shape: tuple | None) -> str:
+    return "absent" if shape is None else f"shape [{', '.join(map(str, shape))}]"
+
+
+def model_mismatch(saved: dict[str, tuple], model: dict[str, tuple]) -> str | None:
+    """The first difference between the checkpoint's parameters and the model's (name -> shape), as text."""
+    names = sorted(set(saved) | set(model), key=lambda n: (n not in model, n))
+    diff = [n for n in names if saved.get(n, None) != model.get(n, None)]
+    if not diff:
+        return None
+    n = diff[0]
+    more = f" ({len(diff)} parameters differ in all)" if len(diff) > 1 else ""
+    return (f"parameter {n}: checkpoint {_shape_text(saved.get(n))}, model {_shape_text(model.get(n))}{more}; "
+            f"resume with the model settings that wrote it (see run.json)")
+
+
+def _os_error(e: BaseException) -> OSError | None:
+    """The OSError behind a failed save (DCP wraps each rank's in a CheckpointException)."""
+    if isinstance(e, OSError):
+        return e
+    if isinstance(e, CheckpointException):
+        for failure in e.failures.values():
+            exc = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(exc, OSError):
+                return exc
+    cause = e.__cause__ or e.__context__
+    return _os_error(cause) if cause is not None else None
 
 
 def unreadable_reason(e: BaseException) -> str:
@@ -134,14 +182,17 @@ class CheckpointManager:
                     f"{self.folder}/step-{self.cfg.load_step} (found: {complete_steps(self.folder) or 'none'})")
             steps = [self.cfg.load_step]
         failed: list[str] = []
+        model_shapes = self._model_shapes() if steps else {}
         for step in reversed(steps):
             path = self.folder / f"step-{step}"
-            why = self._try_load(path)
+            why = self._try_load(path, model_shapes)
             if why is None:
                 if failed and self.rank == 0:
                     self.log(f"resuming from {path} instead (skipped unreadable: {', '.join(failed)})")
                 if self.residuals is not None:
                     self._load_residuals(path)
+                if self.rank == 0:
+                    self._set_aside_newer(step)
                 return step
             failed.append(path.name)
             if self.rank == 0:
@@ -160,19 +211,54 @@ class CheckpointManager:
                      f"(checkpoint.allow_fresh_start = true)")
         return 0
 
-    def _try_load(self, path: Path) -> str | None:
-        """Load ``path`` into the states; the reason (the same on every rank) when any rank could not."""
-        why = None
+    def _model_shapes(self) -> dict[str, tuple]:
+        """Every parameter of the model (all ranks' pipeline stages): name -> global shape."""
+        model = self.states.get("model")
+        mine = {} if model is None else {k: tuple(v.shape) for k, v in model.state_dict().items()
+                                         if isinstance(v, torch.Tensor)}
+        every: list[dict | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        return {k: v for d in every for k, v in (d or {}).items()}
+
+    def _saved_shapes(self, path: Path) -> dict[str, tuple]:
+        meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        return {k.removeprefix("model."): tuple(v.size) for k, v in meta.items()
+                if k.startswith("model.") and hasattr(v, "size")}
+
+    def _try_load(self, path: Path, model_shapes: dict[str, tuple] | None = None) -> str | None:
+        """Load ``path`` into the states; the reason (the same on every rank) when any rank could not. A
+        checkpoint whose parameters are not the model's stops the job (``CheckpointMismatch``)."""
+        why = mismatch = None
         if not (path / ".metadata").is_file():
             why = "its .metadata file is missing"
         else:
             try:
-                dcp.load(self.states, checkpoint_id=str(path))
+                if model_shapes:
+                    mismatch = model_mismatch(self._saved_shapes(path), model_shapes)
+                if mismatch is None:
+                    dcp.load(self.states, checkpoint_id=str(path))
             except (Exception, CheckpointException) as e:  # any damage (missing/truncated shard, bad pickle)
                 why = unreadable_reason(e)
-        reasons: list[str | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(reasons, why)
-        return next((r for r in reasons if r is not None), None)
+        reasons: list[tuple | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(reasons, (why, mismatch))
+        mismatch = next((m for _, m in reasons if m is not None), None)
+        if mismatch is not None:
+            raise CheckpointMismatch(f"{path}: {mismatch}")
+        return next((w for w, _ in reasons if w is not None), None)
+
+    def _set_aside_newer(self, loaded: int) -> None:
+        """Resuming an older step is a branch: checkpoints past it move to ``abandoned-<UTC time>/``."""
+        newer = sorted((d for d in self.folder.iterdir()
+                        if (m := _STEP_DIR.match(d.name.removesuffix(".tmp"))) and int(m.group(1)) > loaded),
+                       key=lambda d: int(_STEP_DIR.match(d.name.removesuffix(".tmp")).group(1)))
+        if not newer:
+            return
+        dest = unique(self.folder / f"abandoned-{utc_stamp()}")
+        dest.mkdir()
+        for d in newer:
+            d.rename(dest / d.name)
+        self.log(f"resumed from step-{loaded}, older than the newest checkpoint: moved "
+                 f"{', '.join(d.name for d in newer)} aside to {dest} (not deleted)")
 
     def _load_residuals(self, checkpoint: Path) -> None:
         """Restore this rank's residuals if every rank can under the same layout; else all restart at zero."""
@@ -202,13 +288,28 @@ class CheckpointManager:
     def save(self, step: int, wait: bool = False) -> None:
         self.finish_pending()
         tmp, final = self.folder / f"step-{step}.tmp", self.folder / f"step-{step}"
-        self._save_residuals(tmp)  # synchronously, so an async save holds this step's residuals too
-        if self.async_group is not None and not wait:
-            future = dcp.async_save(self.states, checkpoint_id=str(tmp), process_group=self.async_group)
-            self.pending = (future, tmp, final)
-            return
-        dcp.save(self.states, checkpoint_id=str(tmp))
+        try:
+            self._save_residuals(tmp)  # synchronously, so an async save holds this step's residuals too
+            if self.async_group is not None and not wait:
+                future = dcp.async_save(self.states, checkpoint_id=str(tmp), process_group=self.async_group)
+                self.pending = (future, tmp, final)
+                return
+            dcp.save(self.states, checkpoint_id=str(tmp))
+        except (Exception, CheckpointException) as e:
+            raise self._save_failed(e, tmp, final) from None
         self._publish(tmp, final)
+
+    def _save_failed(self, e: BaseException, tmp: Path, final: Path) -> BaseException:
+        """An OS error: the partial folder removed, the error as one line; anything else as it is."""
+        err = _os_error(e)
+        if err is None:
+            return e
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = complete_steps(self.folder)
+        kept = f"the previous checkpoint {self.folder}/step-{previous[-1]} is intact" if previous else \
+            "no earlier checkpoint"
+        return CheckpointWriteFailed(f"saving checkpoint {final} failed: {os_error_text(err)} at "
+                                     f"{err.filename or tmp}; removed the partial {tmp.name}; {kept}")
 
     def _save_residuals(self, tmp: Path) -> None:
         if self.residuals is None:
@@ -221,8 +322,11 @@ class CheckpointManager:
         if self.pending is None:
             return
         future, tmp, final = self.pending
-        future.result()
         self.pending = None
+        try:
+            future.result()
+        except (Exception, CheckpointException) as e:
+            raise self._save_failed(e, tmp, final) from None
         self._publish(tmp, final)
 
     def finish_or_abandon(self, timeout_s: float = 600.0) -> None:
@@ -254,6 +358,8 @@ class CheckpointManager:
             if final.exists():
                 shutil.rmtree(final)
             tmp.rename(final)
+            # Retention counts this run's saves: checkpoints newer than the resumed one were moved aside
+            # (``_set_aside_newer``), so ascending step order is the order of the saves.
             if self.cfg.keep_latest_k > 0:
                 for old in complete_steps(self.folder)[: -self.cfg.keep_latest_k]:
                     shutil.rmtree(self.folder / f"step-{old}", ignore_errors=True)

@@ -24,37 +24,63 @@ class JobSection:
     description: str = opt("", "free text shown at start")
     seed: int = opt(0, "seed of weights and data order", min=0)
     device: str = opt("auto", "auto: CUDA when present, else CPU", choices=("auto", "cpu", "cuda"))
+    overwrite: bool = opt(False, "a job starting from step 0 in a dump folder that holds another run's checkpoints "
+                          "or metrics moves them aside into dump_folder/previous-<UTC time>/ (else it stops)")
 
 
 @dataclass
 class ModelSection:
-    flavor: str = opt("debug", "named size from torchtitan_ext.models.flavors")
+    """Every field of ``models.args.ModelArgs`` is a key here. A key left at its default (the "unset" value its
+    help names: 0, -1, an empty string) keeps the flavor's value; any other value replaces it. The on/off
+    architecture switches are tri-state: unset (``""``, the default) or true / false."""
+    flavor: str = opt("debug", "named size from torchtitan_ext.models.flavors; the other [model] keys override it")
     vocab_size: int = opt(0, "0: the flavor's, or the tokenizer's (padded to a multiple of 64) when the "
                          "flavor has none", min=0)
-    n_layers: int = opt(0, "0: the flavor's; else override the layer count", min=0)
     dim: int = opt(0, "0: the flavor's; else override d_model", min=0)
-    n_heads: int = opt(0, "0: the flavor's; else override", min=0)
-    n_kv_heads: int = opt(0, "0: the flavor's; else override", min=0)
-    ffn_hidden: int = opt(0, "0: the flavor's; else override the SwiGLU hidden size", min=0)
-    max_seq_len: int = opt(0, "0: training.seq_len", min=0)
+    n_layers: int = opt(0, "0: the flavor's; else override the layer count", min=0)
+    n_heads: int = opt(0, "0: the flavor's; else override the attention heads", min=0)
+    n_kv_heads: int = opt(0, "0: the flavor's; else override the K/V heads (GQA; equal to n_heads: none)", min=0)
+    head_dim: int = opt(0, "0: the flavor's (its own, or dim / n_heads); else override the width of each head",
+                        min=0)
+    ffn_hidden: int = opt(0, "0: the flavor's; else override the dense FFN hidden size", min=0)
+    activation: str = opt("", "empty: the flavor's; swiglu or relu2 (squared ReLU, needed by quant.qat)",
+                          choices=("", "swiglu", "relu2"))
+    max_seq_len: int = opt(0, "0: training.seq_len; else the RoPE table length (>= training.seq_len)", min=0)
+    rope_theta: float = opt(0.0, "0: the flavor's; else the RoPE base", min=0.0)
+    rope_fraction: float = opt(-1.0, "-1: the flavor's; else the fraction of each head's dims rotated by RoPE "
+                               "(0: none, 1: all)", min=-1.0, max=1.0)
+    nope_every: int = opt(-1, "-1: the flavor's; N > 0: every Nth layer has no positional encoding (RNoPE); "
+                          "0: every layer uses RoPE", min=-1)
+    qk_norm: bool | None = opt(None, "\"\": the flavor's; true / false: RMSNorm on each head's queries and keys")
+    norm_eps: float = opt(0.0, "0: the flavor's; else the RMSNorm epsilon", min=0.0)
+    tie_embeddings: bool | None = opt(None, "\"\": the flavor's; true / false: the output head shares the "
+                                      "embedding matrix")
+    logit_softcap: float = opt(-1.0, "-1: the flavor's; > 0: logits = cap x tanh(logits / cap); 0: no cap",
+                               min=-1.0)
+    residual_scalars: bool | None = opt(None, "\"\": the flavor's; true / false: a learnable scalar (init 1) on "
+                                        "each block's attention and FFN branch")
     n_experts: int = opt(-1, "-1: the flavor's; 0 makes the model dense", min=-1)
     top_k: int = opt(0, "0: the flavor's; experts per token", min=0)
-    moe_hidden: int = opt(0, "0: the flavor's; expert SwiGLU hidden size", min=0)
+    moe_hidden: int = opt(0, "0: the flavor's (its own, or ffn_hidden); expert FFN hidden size", min=0)
     moe_every: int = opt(0, "0: the flavor's; MoDE on every Nth layer, dense FFNs elsewhere", min=0)
+    shared_expert: bool | None = opt(None, "\"\": the flavor's; true / false: a dense expert every token goes "
+                                     "through, beside the routed ones")
+    renormalize_gates: bool | None = opt(None, "\"\": the flavor's; true / false: the top_k gate weights are "
+                                         "renormalised to sum to 1")
     aux_loss_coef: float = opt(-1.0, "-1: the flavor's; Switch load-balancing loss coefficient", min=-1.0)
     router_z_loss_coef: float = opt(-1.0, "-1: the flavor's; router z-loss coefficient", min=-1.0)
     bias_update_rate: float = opt(-1.0, "-1: the flavor's; > 0 enables auxiliary-loss-free balancing "
                                   "(per-expert routing bias step)", min=-1.0)
-    activation: str = opt("", "empty: the flavor's; swiglu or relu2 (squared ReLU, needed by quant.qat)",
-                          choices=("", "swiglu", "relu2"))
-    residual_scalars: bool = opt(False, "a learnable scalar (init 1) on each block's attention and FFN branch")
-    kv_share: str = opt("none", "interleaved: in each group of kv_share_group consecutive layers only the first "
-                        "computes K and V, the others reuse them", choices=("none", "interleaved"))
-    kv_share_group: int = opt(2, "layers per KV-sharing group", min=1)
+    kv_share: str = opt("", "empty: the flavor's; interleaved: in each group of kv_share_group consecutive layers "
+                        "only the first computes K and V, the others reuse them; none: every layer computes its own",
+                        choices=("", "none", "interleaved"))
+    kv_share_group: int = opt(-1, "-1: the flavor's; else layers per KV-sharing group (>= 1)", min=-1)
 
 
 @dataclass
 class TrainingSection:
+    mode: str = opt("pretrain", "sft: supervised fine-tuning, which needs data.dataset = 'chat' and "
+                    "checkpoint.initial_load_path (the model it starts from)", choices=("pretrain", "sft"))
     steps: int = opt(200, "optimizer steps", min=1)
     seq_len: int = opt(256, "tokens per sequence", min=8)
     local_batch_size: int = opt(8, "sequences per data-parallel rank per micro-step", min=1)
@@ -120,8 +146,11 @@ class LRSchedulerSection:
 
 @dataclass
 class ParallelismSection:
-    dp_replicate: int = opt(1, "replicated data-parallel degree (HSDP when > 1 with dp_shard > 1)", min=1)
-    dp_shard: int = opt(-1, "FSDP shard degree; -1: the rest of the world size", min=-1)
+    dp_replicate: int = opt(1, "replicated data-parallel degree (HSDP when > 1 with dp_shard > 1); -1: the ranks "
+                            "left after dp_shard x tp x pp (e.g. one replica per node, so a job runs on any node "
+                            "count); at most one of dp_replicate and dp_shard is -1", min=-1)
+    dp_shard: int = opt(-1, "FSDP shard degree; -1: the ranks left after dp_replicate x tp x pp (the world size "
+                        "divided by their product)", min=-1)
     tp: int = opt(1, "tensor (+ sequence) parallel degree", min=1)
     pp: int = opt(1, "pipeline parallel degree", min=1)
     ep: int = opt(1, "expert parallel degree, carved out of the data-parallel ranks", min=1)
@@ -150,8 +179,9 @@ class CheckpointSection:
     keep_latest_k: int = opt(3, "complete checkpoints kept; 0 keeps all", min=0)
     async_mode: str = opt("disabled", "async saves overlap the next steps", choices=("disabled", "async"))
     load_step: int = opt(-1, "-1: resume from the latest complete checkpoint; N: that step", min=-1)
-    initial_load_path: str = opt("", "a Hugging Face folder (torchtitan_ext.export) whose weights start "
-                                 "training when the job has no checkpoint yet")
+    initial_load_path: str = opt("", "weights that start training when the job has no checkpoint yet: a Hugging "
+                                 "Face folder (torchtitan_ext.export) or one of our dump / checkpoint / step-N "
+                                 "folders (its model only)")
     allow_fresh_start: bool = opt(False, "when every checkpoint in the folder is unreadable, start from step 0 "
                                   "instead of stopping with exit 2")
 
@@ -161,16 +191,27 @@ class MetricsSection:
     log_freq: int = opt(10, "log every N steps", min=1)
     tensorboard: bool = opt(True, "TensorBoard scalars under dump_folder/tb")
     jsonl: bool = opt(True, "one JSON object per logged step in dump_folder/metrics.jsonl")
+    wandb: bool = opt(False, "log what TensorBoard gets to Weights & Biases from rank 0, with the resolved config "
+                      "(WANDB_MODE=offline: a run folder under dump_folder/wandb, no network); a resumed job "
+                      "continues the run whose id is saved in dump_folder/wandb_run_id; needs "
+                      "pip install 'torchtitan_ext[tracking]'")
+    wandb_project: str = opt("torchtitan_ext", "W&B project (the entity: WANDB_ENTITY or the account's default)")
+    wandb_run_name: str = opt("", "W&B run name; empty: the dump folder's name")
+    wandb_tags: list = opt([], "W&B run tags, e.g. [\"baseline\", \"debug\"] (comma-separated on the command line)")
 
 
 @dataclass
 class DataSection:
-    dataset: str = opt("builtin", "builtin: the Python standard library's sources; shards: *.bin files",
-                       choices=("builtin", "shards"))
-    train_path: str = opt("", "shards: glob or folder of training shards")
-    val_path: str = opt("", "shards: glob or folder of validation shards (optional)")
-    tokenizer: str = opt("builtin", "builtin (SentencePiece BPE trained on the corpus), byte, or a "
-                         ".model path")
+    dataset: str = opt("builtin", "builtin: the Python standard library's sources; shards: *.bin files; chat: "
+                       "JSONL conversations ({\"messages\": [{\"role\", \"content\"}, ...]}) rendered with "
+                       "the tokenizer's chat template, the loss on the assistant's tokens only",
+                       choices=("builtin", "shards", "chat"))
+    train_path: str = opt("", "shards: glob or folder of training shards; chat: JSONL file, glob or folder")
+    val_path: str = opt("", "shards: glob or folder of validation shards; chat: JSONL (optional)")
+    tokenizer: str = opt("builtin", "builtin (SentencePiece BPE trained on the corpus), byte, none (pretokenized "
+                         "shards), a Hugging Face tokenizer.json or its folder, a .tiktoken file (':<encoding>' "
+                         "names its split pattern, e.g. o200k.tiktoken:o200k_base), a SentencePiece .model, or "
+                         "a saved run's tokenizer/ folder")
     tokenizer_vocab_size: int = opt(4096, "vocabulary of the builtin tokenizer", min=260)
     cache_dir: str = opt("~/.cache/torchtitan_ext", "tokenizer and built-in shards cache")
     shuffle: bool = opt(True, "shuffle sequence windows (seeded, per epoch)")

@@ -40,7 +40,16 @@ def _coerce(value: Any, f: dataclasses.Field, where: str, from_cli: bool) -> Any
     """Convert ``value`` to the field's type (strings come from the command line) and check its rules."""
     kind = f.type if isinstance(f.type, str) else f.type.__name__
     try:
-        if kind == "bool":
+        if kind == "bool | None":  # tri-state: "" (None, e.g. "the flavor's"), true or false
+            if value == "" or value is None:
+                return None
+            if from_cli and isinstance(value, str):
+                if value.lower() not in ("true", "false", "1", "0"):
+                    raise TypeError
+                value = value.lower() in ("true", "1")
+            elif not isinstance(value, bool):
+                raise TypeError
+        elif kind == "bool":
             if from_cli and isinstance(value, str):
                 if value.lower() not in ("true", "false", "1", "0"):
                     raise TypeError
@@ -68,7 +77,8 @@ def _coerce(value: Any, f: dataclasses.Field, where: str, from_cli: bool) -> Any
             if not isinstance(value, list):
                 raise TypeError
     except (TypeError, ValueError, json.JSONDecodeError):
-        raise ConfigError(f"{where}: expected {kind}, got {value!r}") from None
+        expected = 'true, false or "" (unset)' if kind == "bool | None" else kind
+        raise ConfigError(f"{where}: expected {expected}, got {value!r}") from None
     if kind == "float" and not math.isfinite(value):  # NaN passes every min / max check; no key means infinity
         raise ConfigError(f"{where}: expected a finite float, got {value!r}")
     meta = f.metadata
@@ -160,6 +170,8 @@ def help_text() -> str:
 
 
 def _toml_value(v: Any) -> str:
+    if v is None:  # an unset tri-state key (TOML has no null): "" loads back as None
+        return '""'
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, str):

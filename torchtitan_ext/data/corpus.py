@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from torchtitan_ext.data.filelock import FileLock
 from torchtitan_ext.data.shards import write_shard
-from torchtitan_ext.data.tokenizer import ByteTokenizer, FileLock, SentencePieceTokenizer, train_bpe
 
 logger = logging.getLogger(__name__)
 _SKIP_DIRS = {"site-packages", "test", "tests", "idlelib", "__pycache__", "lib2to3"}
@@ -35,7 +35,7 @@ def read_texts(files: list[Path]) -> list[str]:
     return [f.read_text(encoding="utf-8", errors="replace") for f in files]
 
 
-def _chunks(texts: list[str], lines: int = 24) -> list[str]:
+def training_chunks(texts: list[str], lines: int = 24) -> list[str]:
     """Multi-line pieces of source (keeping newlines) as SentencePiece's training 'sentences'."""
     out = []
     for text in texts:
@@ -44,24 +44,8 @@ def _chunks(texts: list[str], lines: int = 24) -> list[str]:
     return [c for c in out if c.strip()]
 
 
-def builtin_tokenizer(kind: str, vocab_size: int, cache_dir: Path):
-    """``byte``, ``builtin`` (BPE of ``vocab_size`` trained on the corpus's training files, cached) or a
-    path to a SentencePiece model."""
-    if kind == "byte":
-        return ByteTokenizer()
-    if kind != "builtin":
-        return SentencePieceTokenizer(Path(kind).expanduser())
-    model = cache_dir / f"stdlib_bpe{vocab_size}_py{sys.version_info[0]}{sys.version_info[1]}.model"
-    with FileLock(cache_dir / "tokenizer.lock"):
-        if not model.is_file():
-            logger.info(f"training the built-in BPE tokenizer ({vocab_size} pieces) -> {model}")
-            texts = read_texts([f for f in stdlib_files() if not is_validation(f)])
-            train_bpe(_chunks(texts), vocab_size, model)
-    return SentencePieceTokenizer(model)
-
-
 def _encode_all(tokenizer, texts: list[str]) -> np.ndarray:
-    docs = tokenizer.encode_many(texts) if hasattr(tokenizer, "encode_many") else map(tokenizer.encode, texts)
+    docs = tokenizer.encode_batch(texts) if hasattr(tokenizer, "encode_batch") else map(tokenizer.encode, texts)
     eot = np.array([tokenizer.eot_id], dtype=np.int32)
     return np.concatenate([part for doc in docs for part in (doc, eot)])
 

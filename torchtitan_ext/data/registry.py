@@ -16,16 +16,17 @@ from pathlib import Path
 from torchtitan_ext.config.job_config import DataSection, JobConfig
 from torchtitan_ext.config.loader import ConfigError
 from torchtitan_ext.data.base import Loader, LoaderContext, PretokenizedVocab, Tokenizer
-from torchtitan_ext.data.corpus import builtin_tokenizer
 from torchtitan_ext.data.documents import Documents
 from torchtitan_ext.data.packers import bfd, concat
-from torchtitan_ext.data.sources import builtin, domains, shards, trees
+from torchtitan_ext.data.sources import builtin, chat, domains, shards, trees
+from torchtitan_ext.data.tokenizers import open_tokenizer, run_tokenizer
 
 SOURCES: dict[str, Callable] = {
     "builtin": builtin.build,
     "shards": shards.build,
     "trees": trees.build,
     "domains": domains.build,
+    "chat": chat.build,
 }
 PACKERS: dict[str, Callable] = {
     "concat": concat.build,
@@ -40,15 +41,21 @@ class DataBundle:
     documents: Documents | None  # data.attention == "document": the helper the loaders use
 
 
-def build_tokenizer(data: DataSection) -> Tokenizer:
-    """``data.tokenizer``: byte, builtin (trained on the corpus, cached), a SentencePiece model path, or none
-    (pretokenized shards; the vocabulary comes from model.vocab_size)."""
+def build_tokenizer(data: DataSection, dump_folder: str | None = None, save: bool = False,
+                    resume: bool = True) -> Tokenizer:
+    """``data.tokenizer``: byte, builtin (trained on the corpus, cached), a Hugging Face tokenizer.json (or its
+    folder), a tiktoken ``.tiktoken`` file, a SentencePiece model, a saved tokenizer folder (see
+    ``data/tokenizers``), or none (pretokenized shards; the vocabulary comes from model.vocab_size).
+    ``dump_folder``: the run's, whose ``tokenizer/`` copy is used, checked against (``resume``), or (``save``)
+    written (``data/tokenizers.run_tokenizer``)."""
     if data.tokenizer == "none":
         if data.dataset == "builtin":
             raise ConfigError("data.tokenizer = 'none' needs data.dataset = 'shards' (the built-in corpus is "
                               "raw text)")
         return PretokenizedVocab()
-    return builtin_tokenizer(data.tokenizer, data.tokenizer_vocab_size, _cache_dir(data))
+    if dump_folder is not None:
+        return run_tokenizer(data.tokenizer, data.tokenizer_vocab_size, _cache_dir(data), dump_folder, save, resume)
+    return open_tokenizer(data.tokenizer, data.tokenizer_vocab_size, _cache_dir(data))
 
 
 def source_name(data: DataSection) -> str:

@@ -16,7 +16,6 @@ import sys
 import torch
 
 from torchtitan_ext import cli
-from torchtitan_ext.config.job_config import JobConfig
 from torchtitan_ext.config.loader import parse_args
 
 
@@ -26,21 +25,17 @@ def parser() -> cli.ArgumentParser:
     return p
 
 
-def evaluate(cfg: JobConfig) -> dict:
-    """The JSON record of the checkpoint ``cfg`` names: val_loss, val_bpb and per-domain figures."""
+def _main(argv: list[str]) -> int:
     from torchtitan_ext.eval.load import load_trained
     from torchtitan_ext.eval.validation import evaluate_model
 
+    ns, rest = parser().parse_known_args(argv)
+    cfg = parse_args(cli.job_argv(ns, rest))
     device = "cuda" if cfg.job.device != "cpu" and torch.cuda.is_available() else "cpu"
     model, tok, _, ckpt = load_trained(cfg.job.dump_folder, device, cfg=cfg)
-    val, metrics, scored = evaluate_model(model, tok, cfg)
-    return {"checkpoint": str(ckpt), "stride": cfg.eval.stride or cfg.training.seq_len,
-            "scored_tokens": scored, "val_loss": val, **metrics}
-
-
-def _main(argv: list[str]) -> int:
-    ns, rest = parser().parse_known_args(argv)
-    print(json.dumps(evaluate(parse_args(cli.job_argv(ns, rest)))))
+    val, metrics, scored = evaluate_model(model, tok, cfg)  # val_bpb and per-domain figures
+    print(json.dumps({"checkpoint": str(ckpt), "stride": cfg.eval.stride or cfg.training.seq_len,
+                      "scored_tokens": scored, "val_loss": val, **metrics}))
     return 0
 
 

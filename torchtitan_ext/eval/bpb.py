@@ -3,7 +3,8 @@
 ``bpb = loss / ln 2 x scored tokens / UTF-8 bytes of those tokens``, i.e. the summed cross-entropy in bits
 over the bytes the scored tokens stand for. Bytes come from the tokenizer's own pieces: a byte token is
 one byte, a SentencePiece piece is its text's UTF-8 length (``▁`` a space), a byte-fallback piece ``<0x..>``
-one byte; end-of-text and other control tokens count zero.
+one byte, a tiktoken or byte-level BPE token its bytes; end-of-text and other control tokens count zero
+(``token_byte_lengths`` of each tokenizer in ``data/tokenizers``).
 """
 
 from __future__ import annotations
@@ -18,18 +19,13 @@ LN2 = math.log(2.0)
 def token_bytes(tokenizer, vocab_size: int) -> torch.Tensor | None:
     """(vocab_size,) int64 UTF-8 bytes of each token id; None when the tokenizer is unknown (pretokenized
     shards). Ids past the tokenizer's vocabulary (padding of the embedding) count zero."""
+    lengths = getattr(tokenizer, "token_byte_lengths", None)
+    if lengths is None:
+        return None
+    known = torch.as_tensor(lengths(), dtype=torch.int64)[:vocab_size]
     table = torch.zeros(vocab_size, dtype=torch.int64)
-    sp = getattr(tokenizer, "sp", None)
-    if sp is not None:
-        for i in range(min(vocab_size, sp.get_piece_size())):
-            if sp.is_control(i) or sp.is_unknown(i) or i == tokenizer.eot_id:
-                continue
-            table[i] = 1 if sp.is_byte(i) else len(sp.id_to_piece(i).replace("\u2581", " ").encode("utf-8"))
-        return table
-    if getattr(tokenizer, "name", "") == "byte":
-        table[:256] = 1
-        return table
-    return None
+    table[:len(known)] = known
+    return table
 
 
 def batch_sums(loss: torch.Tensor, labels: torch.Tensor, table: torch.Tensor | None) -> torch.Tensor:

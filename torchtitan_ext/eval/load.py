@@ -1,6 +1,7 @@
 """Load a trained model on one process (CPU or one GPU) from a job's dump folder or checkpoint folder.
 
-The job's resolved ``config.toml`` gives the tokenizer and the model shape; DCP stores parameters by FQN
+The job's resolved ``config.toml`` gives the model shape, and its ``tokenizer/`` folder the tokenizer (the
+copy the trainer saved at its start; older runs: the one ``data.tokenizer`` names); DCP stores parameters by FQN
 with their global shapes, so a checkpoint saved under any layout loads into the plain Decoder.
 """
 
@@ -16,7 +17,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torchtitan_ext.checkpoint.manager import complete_steps, unreadable_reason
 from torchtitan_ext.config.job_config import JobConfig
 from torchtitan_ext.config.loader import ConfigError, parse_args
-from torchtitan_ext.data.corpus import builtin_tokenizer
+from torchtitan_ext.data.registry import build_tokenizer
+from torchtitan_ext.data.tokenizers import RUN_FOLDER, load_tokenizer, read_meta
 from torchtitan_ext.models.decoder import Decoder
 
 
@@ -40,9 +42,21 @@ def find_checkpoint(path: str | Path, cfg: JobConfig | None = None) -> tuple[Pat
     return dump, folder / f"step-{steps[-1]}"
 
 
+def run_tokenizer(cfg: JobConfig, dump: Path):
+    """The tokenizer of the run in ``dump``: its saved copy (``<dump>/tokenizer/``) when there is one, else
+    the one ``cfg.data`` names (a run from before tokenizers were saved, or ``data.tokenizer = 'none'``)."""
+    saved = dump / RUN_FOLDER
+    if cfg.data.tokenizer != "none" and read_meta(saved) is not None:
+        cfg.data.tokenizer = str(saved)
+        return load_tokenizer(saved)
+    return build_tokenizer(cfg.data)
+
+
 def load_trained(path: str | Path, device: str | torch.device = "cpu", cfg: JobConfig | None = None,
                  dtype: torch.dtype = torch.float32) -> tuple[Decoder, object, JobConfig, Path]:
-    """(model in eval mode, tokenizer, job config, checkpoint folder) from a dump or checkpoint folder."""
+    """(model in eval mode, tokenizer, job config, checkpoint folder) from a dump or checkpoint folder. When the
+    dump folder holds the run's tokenizer, the config's ``data.tokenizer`` is set to that folder (so what
+    rebuilds the tokenizer from the config, the validation streams, reads the run's copy)."""
     from torchtitan_ext.models.flavors import resolve_model_args
 
     dump, ckpt = find_checkpoint(path, cfg)
@@ -51,8 +65,7 @@ def load_trained(path: str | Path, device: str | torch.device = "cpu", cfg: JobC
         if not toml.is_file():
             raise ConfigError(f"{dump}: no config.toml (the trainer writes it into the dump folder)")
         cfg = parse_args(["--config", str(toml)])
-    d = cfg.data
-    tok = builtin_tokenizer(d.tokenizer, d.tokenizer_vocab_size, Path(d.cache_dir).expanduser())
+    tok = run_tokenizer(cfg, dump)
     args = resolve_model_args(cfg, getattr(tok, "vocab_size", 0))
     device = torch.device(device)
     with torch.device(device):

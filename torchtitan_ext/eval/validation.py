@@ -30,23 +30,17 @@ def validation_streams(cfg: JobConfig) -> dict[str, np.ndarray]:
     return {name: split_stream(loader, limit) for name, loader in loaders.items()}
 
 
-def stream_sums(model: torch.nn.Module, streams: dict[str, np.ndarray], cfg: JobConfig,
-                table: torch.Tensor | None) -> torch.Tensor:
-    """Per-stream [loss x tokens, tokens, bytes] (rows as in ``eval.bpb.batch_sums``)."""
-    t = cfg.training
-    try:
-        return torch.stack([sliding_sums(model, torch.from_numpy(s.astype(np.int64)), t.seq_len, cfg.eval.stride,
-                                         t.local_batch_size, table) for s in streams.values()])
-    except ValueError as e:  # sliding.windows: eval.stride out of range, or fewer tokens than one window
-        raise ConfigError(str(e)) from None
-
-
 def evaluate_model(model: torch.nn.Module, tokenizer, cfg: JobConfig,
                    streams: dict[str, np.ndarray] | None = None) -> tuple[float, dict[str, float], int]:
     """(validation loss, val_bpb and per-domain figures, scored tokens) of ``model`` on the job's splits."""
     streams = validation_streams(cfg) if streams is None else streams
     table = token_bytes(tokenizer, model.args.vocab_size)
-    device = next(model.parameters()).device
-    sums = stream_sums(model, streams, cfg, table.to(device) if table is not None else None)
+    table = table.to(next(model.parameters()).device) if table is not None else None
+    t = cfg.training
+    try:  # per stream [loss x tokens, tokens, bytes] (rows as in ``eval.bpb.batch_sums``)
+        sums = torch.stack([sliding_sums(model, torch.from_numpy(s.astype(np.int64)), t.seq_len, cfg.eval.stride,
+                                         t.local_batch_size, table) for s in streams.values()])
+    except ValueError as e:  # sliding.windows: eval.stride out of range, or fewer tokens than one window
+        raise ConfigError(str(e)) from None
     val, metrics = summarize(list(streams), sums)
     return val, metrics, int(sums[:, 1].sum())

@@ -1,8 +1,5 @@
-"""Text generation with a KV cache: greedy, temperature and top-p sampling, batched prompts.
-
-    python -m torchtitan_ext.generate --checkpoint outputs/debug --prompt "def main(" --max-new-tokens 64
-
-(the command line in ``torchtitan_ext/generate/__main__.py``; :func:`complete` is what it runs).
+"""Text generation with a KV cache: greedy, temperature and top-p sampling, batched prompts (the command
+line, ``__main__.py``, runs :func:`complete`).
 
 The cached forward walks the Decoder's own modules (embedding, each block's norms, projections, QK-norm,
 RoPE, FFN or MoDE, residual scalars, final norm, head, soft-cap; KV-sharing layers read their producer's
@@ -61,8 +58,7 @@ class KVCache:
         self.pos = torch.zeros((), dtype=torch.long, device=dev)
 
     def fits(self, model: Decoder, batch: int, max_len: int) -> bool:
-        """Whether this cache can serve ``model`` (as it is now: dtype, device) for ``batch`` rows of
-        ``max_len`` slots."""
+        """Whether this cache serves ``model`` (its dtype and device now) for ``batch`` rows of ``max_len`` slots."""
         k, w = self.k[0], model.tok_embeddings.weight
         shape = (batch, model.args.kv_heads, max_len, model.args.hdim)
         return k.shape == shape and k.dtype == w.dtype and k.device == w.device
@@ -230,8 +226,7 @@ def generate(model: Decoder, prompts: list[list[int]], max_new_tokens: int, temp
 
 @dataclass
 class Completions:
-    """What :func:`complete` returns: the checkpoint read, each prompt's new text, whether the decoding step
-    was compiled and the new tokens per second over the decoding."""
+    """What :func:`complete` returns; ``tokens_per_sec``: new tokens per second over the decoding."""
     checkpoint: Path
     texts: list[str]
     compiled: bool

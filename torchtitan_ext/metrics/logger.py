@@ -1,5 +1,5 @@
-"""Console (rank 0, through the ``torchtitan_ext`` logger), TensorBoard scalars and metrics.jsonl for each
-logged step; MFU and GPU memory.
+"""Console (rank 0, through the ``torchtitan_ext`` logger, with elapsed time and ETA), TensorBoard scalars,
+metrics.jsonl and further sinks (W&B: ``wandb_sink``) for each logged step; MFU and GPU memory.
 
 A resumed job redoes the steps after its checkpoint: their earlier records are dropped from metrics.jsonl
 (and purged from TensorBoard) on start-up, so each step appears once, with the values of the run that kept it.
@@ -14,16 +14,21 @@ import logging
 import sys
 import time
 import traceback
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import torch
+
+if TYPE_CHECKING:
+    from torchtitan_ext.metrics.wandb_sink import MetricsSink
 
 log = logging.getLogger(__name__)
 
 # Dense bf16 tensor-core peaks (FLOP/s) used for MFU; GPUs not listed report no MFU.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12}
+ETA_WINDOW = 10  # logged steps whose rate gives the ETA
 
 
 def peak_flops() -> float | None:
@@ -41,10 +46,19 @@ def flops_per_token(active_params: int, n_layers: int, n_heads: int, head_dim: i
 
 
 class MetricsLogger:
-    def __init__(self, dump_folder: str, rank: int, tensorboard: bool, jsonl: bool, resume_step: int = 0):
+    """Rank 0 writes each logged step to TensorBoard, metrics.jsonl, the ``sinks`` (e.g. ``wandb_sink.WandbSink``:
+    anything with ``log(step, values)`` and ``close()``) and the console line, which ends with the wall time
+    since this logger started and, given ``total_steps``, the estimated time to it from the recent steps' rate."""
+
+    def __init__(self, dump_folder: str, rank: int, tensorboard: bool, jsonl: bool, resume_step: int = 0,
+                 total_steps: int = 0, sinks: Sequence[MetricsSink] = ()):
         self.rank = rank
         self.tb = None
         self.jsonl = None
+        self.sinks = list(sinks)
+        self.total_steps = total_steps
+        self.start = time.monotonic()
+        self.recent: deque[tuple[int, float]] = deque([(resume_step, self.start)], maxlen=ETA_WINDOW + 1)
         if rank != 0:
             return
         folder = Path(dump_folder)
@@ -65,19 +79,44 @@ class MetricsLogger:
                 self.tb.add_scalar(k, v, step)
         if self.jsonl is not None:
             self.jsonl.write(json.dumps({"step": step, "time": time.time(), **values}) + "\n")
+        for sink in self.sinks:
+            sink.log(step, values)
         parts = [f"step {step:>6}"]
         for key, fmt in (("loss", "loss {:.4f}"), ("val_loss", "val {:.4f}"), ("grad_norm", "gnorm {:.3f}"),
                          ("lr", "lr {:.2e}"), ("tokens_per_sec", "tok/s {:,.0f}"), ("mfu", "mfu {:.1%}"),
                          ("memory_gib", "mem {:.1f}GiB")):
             if key in values:
                 parts.append(fmt.format(values[key]))
+        parts.extend(self._timing(step))
         log.info("  ".join(parts))
+
+    def _timing(self, step: int) -> list[str]:
+        """``elapsed H:MM:SS`` and, with a step total, ``eta H:MM:SS`` at the rate of the last ETA_WINDOW
+        logged steps (the first line: since the start)."""
+        now = time.monotonic()
+        if step > self.recent[-1][0]:
+            self.recent.append((step, now))
+        parts = [f"elapsed {hms(now - self.start)}"]
+        (first_step, first_time), (last_step, last_time) = self.recent[0], self.recent[-1]
+        if self.total_steps and last_step > first_step:
+            rate = (last_time - first_time) / (last_step - first_step)
+            parts.append(f"eta {hms(rate * max(self.total_steps - step, 0))}")
+        return parts
 
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
         if self.jsonl is not None:
             self.jsonl.close()
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:
+            sink.close()
+
+
+def hms(seconds: float) -> str:
+    """``H:MM:SS`` (hours unbounded), e.g. ``0:01:23``."""
+    s = max(int(seconds), 0)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
 def drop_after(path: Path, step: int) -> None:

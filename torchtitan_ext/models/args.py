@@ -76,8 +76,14 @@ class ModelArgs:
 
     def validate(self) -> None:
         """Raise ValueError naming the first inconsistent field."""
-        if self.vocab_size <= 0:
-            raise ValueError(f"vocab_size = {self.vocab_size}: expected > 0")
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_hidden", "max_seq_len", "rope_theta",
+                     "norm_eps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} = {getattr(self, name)}: expected > 0")
+        for name in ("n_kv_heads", "head_dim", "nope_every", "logit_softcap", "n_experts", "moe_hidden",
+                     "aux_loss_coef", "router_z_loss_coef", "bias_update_rate"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} = {getattr(self, name)}: expected >= 0")
         if self.n_heads <= 0 or (not self.head_dim and self.dim % self.n_heads):
             raise ValueError(f"dim = {self.dim} is not divisible by n_heads = {self.n_heads}")
         if self.n_heads % self.kv_heads:

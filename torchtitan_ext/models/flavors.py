@@ -45,21 +45,18 @@ def get_flavor(name: str) -> ModelArgs:
     return FLAVORS[name]
 
 
+def model_overrides(section) -> dict:
+    """The ``[model]`` keys that are set: every ModelSection field except ``flavor`` whose value differs from
+    its default (the "unset" value: 0, -1, "" or None keeps the flavor's)."""
+    return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)
+            if f.name != "flavor" and getattr(section, f.name) != f.default}
+
+
 def resolve_model_args(cfg: JobConfig, tokenizer_vocab: int) -> ModelArgs:
-    """The flavor with the config's non-zero overrides applied."""
+    """The flavor with every set ``[model]`` key applied (``model_overrides``); ``max_seq_len`` defaults to
+    training.seq_len and a missing vocabulary to the tokenizer's. Errors name the key."""
     args = get_flavor(cfg.model.flavor)
-    overrides = {k: getattr(cfg.model, k) for k in
-                 ("vocab_size", "n_layers", "dim", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len",
-                  "top_k", "moe_hidden", "moe_every") if getattr(cfg.model, k) > 0}
-    for k in ("n_experts", "aux_loss_coef", "router_z_loss_coef", "bias_update_rate"):
-        if getattr(cfg.model, k) >= 0:
-            overrides[k] = getattr(cfg.model, k)
-    if cfg.model.activation:
-        overrides["activation"] = cfg.model.activation
-    if cfg.model.residual_scalars:
-        overrides["residual_scalars"] = True
-    if cfg.model.kv_share != "none":
-        overrides.update(kv_share=cfg.model.kv_share, kv_share_group=cfg.model.kv_share_group)
+    overrides = model_overrides(cfg.model)
     if not overrides.get("vocab_size") and not args.vocab_size:
         if not tokenizer_vocab:
             raise ConfigError("data.tokenizer = 'none' needs model.vocab_size (for example 50304 for "
@@ -75,6 +72,6 @@ def resolve_model_args(cfg: JobConfig, tokenizer_vocab: int) -> ModelArgs:
                           f"{args.max_seq_len}")
     try:
         args.validate()
-    except ValueError as e:
-        raise ConfigError(f"model (flavor {cfg.model.flavor!r}): {e}") from None
+    except ValueError as e:  # its messages start with the field's name, which is also the [model] key
+        raise ConfigError(f"model.{e} (flavor {cfg.model.flavor!r} with the [model] keys applied)") from None
     return args

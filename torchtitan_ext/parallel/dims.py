@@ -7,6 +7,7 @@ World layout, outermost first: ``pp x dp_replicate x dp_shard x tp``. Expert par
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -33,15 +34,30 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, p: ParallelismSection, world_size: int) -> ParallelDims:
-        dp_shard = p.dp_shard
-        others = p.dp_replicate * p.tp * p.pp
-        if dp_shard == -1:
-            if world_size % others:
+        """The degrees of ``p`` on ``world_size`` ranks; a ``-1`` (``dp_shard``, or ``dp_replicate``) takes the
+        ranks left after the other degrees, so one config runs on any multiple of their product."""
+        for name in ("dp_replicate", "dp_shard"):
+            if getattr(p, name) == 0 or getattr(p, name) < -1:
+                raise ParallelDimsError(f"parallelism.{name} = {getattr(p, name)}: expected >= 1, or -1 for the "
+                                        "ranks left after the other degrees")
+        if p.dp_replicate == -1 and p.dp_shard == -1:
+            raise ParallelDimsError("parallelism: dp_replicate and dp_shard are both -1 (the rest of the world "
+                                    "size); set one of them")
+        dp_replicate, dp_shard = p.dp_replicate, p.dp_shard
+        if -1 in (dp_replicate, dp_shard):
+            fixed = [("dp_replicate", dp_replicate), ("dp_shard", dp_shard), ("tp", p.tp), ("pp", p.pp)]
+            fixed = [(k, v) for k, v in fixed if v != -1]
+            others = math.prod(v for _, v in fixed)
+            if world_size < 1 or world_size % others:
+                rest = "dp_replicate" if dp_replicate == -1 else "dp_shard"
                 raise ParallelDimsError(
-                    f"parallelism: dp_replicate({p.dp_replicate}) x tp({p.tp}) x pp({p.pp}) = {others} "
-                    f"does not divide the world size {world_size}")
-            dp_shard = world_size // others
-        dims = cls(p.dp_replicate, dp_shard, p.tp, p.pp, p.ep, world_size, p.dp_mode)
+                    f"parallelism: {' x '.join(f'{k}({v})' for k, v in fixed)} = {others}, but the world size is "
+                    f"{world_size}, not a multiple of it ({rest} = -1 takes the ranks left)")
+            if dp_replicate == -1:
+                dp_replicate = world_size // others
+            else:
+                dp_shard = world_size // others
+        dims = cls(dp_replicate, dp_shard, p.tp, p.pp, p.ep, world_size, p.dp_mode)
         dims.validate()
         return dims
 

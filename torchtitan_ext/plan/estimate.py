@@ -1,11 +1,6 @@
-"""Memory and communication planner: ``python -m torchtitan_ext.plan --config FILE [--gpus N]
-[--device-memory GiB] [--section.key value ...]``, without a GPU.
-
-The model is built on the meta device from the same config code as the trainer (``resolve_model_args``,
-``ParallelDims``), so parameter shapes and the layout are the job's. Per rank it prints parameters,
-gradients, optimizer state, FSDP's unsharded bf16 copies, saved activations (with the configured activation
-checkpointing and, for comparison, without), the logits / cross-entropy buffers and the bytes each mesh
-dimension moves per step, then whether the peak fits the device memory.
+"""The planner's figures (the command line, and what it prints, in ``__main__.py``). The model is built on the
+meta device from the same config code as the trainer (``resolve_model_args``, ``ParallelDims``), so parameter
+shapes and the layout are the job's.
 
 Activations are a closed form of what autograd saves per token in each block (``block_activations``):
 norm inputs and their reciprocal RMS, the projections' inputs, attention's q, k, v, output and log-sum-exp
@@ -23,6 +18,7 @@ import torch
 
 from torchtitan_ext.config.job_config import JobConfig
 from torchtitan_ext.config.loader import ConfigError
+from torchtitan_ext.data.tokenizers import vocab_size_of
 from torchtitan_ext.models.args import ModelArgs
 from torchtitan_ext.parallel.dims import ParallelDims, ParallelDimsError
 
@@ -37,19 +33,7 @@ ALLOCATOR_OVERHEAD = 1.05
 
 def tokenizer_vocab(cfg: JobConfig) -> int:
     """The tokenizer's vocabulary without building it (the builtin one is trained on first use)."""
-    name = cfg.data.tokenizer
-    if name == "byte":
-        return 257
-    if name == "builtin":
-        return cfg.data.tokenizer_vocab_size
-    if name == "none":
-        return 0
-    try:
-        import sentencepiece as spm
-
-        return spm.SentencePieceProcessor(model_file=name).get_piece_size()
-    except (OSError, RuntimeError) as e:
-        raise ConfigError(f"data.tokenizer = {name!r}: cannot read the SentencePiece model ({e})") from None
+    return vocab_size_of(cfg.data.tokenizer, cfg.data.tokenizer_vocab_size)
 
 
 def block_activations(args: ModelArgs, layer: int, act: int, norm: str = "fused", compiled: bool = False,
@@ -161,47 +145,24 @@ def _param_groups(args: ModelArgs) -> dict[str, int]:
 @dataclass
 class _Job:
     """What each step of :func:`plan` reads: the config, the layout, the parameter groups of the real module
-    tree and the figures derived from them once."""
+    tree and, derived once, the heaviest pipeline stage's ``layers``, FSDP's ``shard`` count (1 without
+    FSDP), bytes per activation element ``act``, the embedding and head parameters on that stage ``ends``
+    (one of them under pipeline parallelism), its block matrices, experts and routers ``block`` (before TP
+    and FSDP) and the ``tokens`` of one micro-batch."""
     cfg: JobConfig
     dims: ParallelDims
     args: ModelArgs
     g: dict[str, int]
 
-    @property
-    def layers(self) -> int:
-        """Layers of the heaviest pipeline stage."""
-        return math.ceil(self.args.n_layers / self.dims.pp)
-
-    @property
-    def frac_layers(self) -> float:
-        return self.layers / self.args.n_layers
-
-    @property
-    def shard(self) -> int:
-        """FSDP shards of a parameter (1 without FSDP)."""
-        return self.dims.dp_shard if self.dims.fsdp_enabled else 1
-
-    @property
-    def act(self) -> int:
-        """Bytes per activation element."""
-        return 2 if self.cfg.training.mixed_precision_param == "bfloat16" else F32
-
-    @property
-    def ends(self) -> int:
-        """Embedding and head parameters on the heaviest stage (one of them under pipeline parallelism)."""
-        g = self.g
-        return max(g["embedding"], g["head"]) if self.dims.pp > 1 else g["embedding"] + g["head"]
-
-    @property
-    def block(self) -> float:
-        """Block matrices, experts and routers of the heaviest stage (before TP and FSDP)."""
-        g = self.g
-        return (g["matrices"] + g["experts"] + g["routers"]) * self.frac_layers
-
-    @property
-    def tokens(self) -> int:
-        """Tokens of one micro-batch."""
-        return self.cfg.training.local_batch_size * self.cfg.training.seq_len
+    def __post_init__(self) -> None:
+        g, dims, t = self.g, self.dims, self.cfg.training
+        self.layers = math.ceil(self.args.n_layers / dims.pp)
+        self.frac_layers = self.layers / self.args.n_layers
+        self.shard = dims.dp_shard if dims.fsdp_enabled else 1
+        self.act = 2 if t.mixed_precision_param == "bfloat16" else F32
+        self.ends = max(g["embedding"], g["head"]) if dims.pp > 1 else g["embedding"] + g["head"]
+        self.block = (g["matrices"] + g["experts"] + g["routers"]) * self.frac_layers
+        self.tokens = t.local_batch_size * t.seq_len
 
 
 def plan(cfg: JobConfig, world: int) -> Plan:
@@ -209,9 +170,7 @@ def plan(cfg: JobConfig, world: int) -> Plan:
     job = _job(cfg, world)
     p = Plan(world, job.dims, job.args)
     _parameter_memory(p, job)
-    _unsharded_memory(p, job)
-    micro = _activation_memory(p, job)
-    _loss_memory(p, job, micro)
+    _activation_memory(p, job)
     p.comm = communication(cfg, job.dims, job.args, job.g, job.act, job.tokens)
     return p
 
@@ -236,9 +195,11 @@ def _job(cfg: JobConfig, world: int) -> _Job:
 
 
 def _parameter_memory(p: Plan, job: _Job) -> None:
-    """Parameters, gradients and optimizer state on this rank: the heaviest pipeline stage, TP-sharded
-    matrices, FSDP shards."""
-    g, dims, args = job.g, job.dims, job.args
+    """Parameters, gradients and optimizer state on this rank (the heaviest pipeline stage, TP-sharded
+    matrices, FSDP shards), then the unsharded bf16 parameters while computing: FSDP gathers ~2 units at once
+    (a unit: one block's dense matrices, TP-sharded, and this rank's experts, EP-sharded); without FSDP the
+    trainer runs bf16 autocast, whose weight casts are saved for the backward pass (the whole local model)."""
+    g, dims, args, t = job.g, job.dims, job.args, job.cfg.training
     local = (job.block + job.ends) / dims.tp + g["norms"] * job.frac_layers
     local /= job.shard
     muon = job.cfg.optimizer.name == "muon"
@@ -248,13 +209,6 @@ def _parameter_memory(p: Plan, job: _Job) -> None:
     p.memory["head gradient (at the backward peak)"] = F32 * head_grad / dims.tp / job.shard
     muon_part = (g["matrices"] + g["experts"]) * job.frac_layers / dims.tp / job.shard if muon else 0.0
     p.memory["optimizer state"] = F32 * (2 * (local - muon_part) + muon_part)  # AdamW 2 moments, Muon 1
-
-
-def _unsharded_memory(p: Plan, job: _Job) -> None:
-    """Unsharded bf16 parameters while computing: FSDP gathers ~2 units at once (a unit: one block's dense
-    matrices, TP-sharded, and this rank's experts, EP-sharded); without FSDP the trainer runs bf16
-    autocast, whose weight casts are saved for the backward pass (the whole local model)."""
-    g, dims, args, t = job.g, job.dims, job.args, job.cfg.training
     unit = (g["matrices"] + g["routers"] + g["experts"] / dims.ep) / args.n_layers / dims.tp
     end_unit = (max(g["embedding"], g["head"]) if job.ends else 0) / dims.tp
     if dims.fsdp_enabled:  # the running unit and the prefetched one (the embedding or head is one unit of its own)
@@ -263,16 +217,17 @@ def _unsharded_memory(p: Plan, job: _Job) -> None:
             (FSDP_UNSHARDED_UNITS - 1) * unit + max(unit, end_unit)) * job.act + max(unit, end_unit) * red
     elif t.mixed_precision_param == "bfloat16":
         # the embedding lookup is not autocast; float8 linears cast their fp32 weights to float8 instead
-        head = g["head"] or (g["embedding"] if args.tie_embeddings else 0)
-        cast = job.block - (g["matrices"] * job.frac_layers if job.cfg.float8.enabled else 0) + head
+        cast = job.block - (g["matrices"] * job.frac_layers if job.cfg.float8.enabled else 0) + head_grad
         p.memory["autocast bf16 weight copies"] = 2 * cast / dims.tp
 
 
-def _saved_activations(p: Plan, job: _Job) -> tuple[float, float, float]:
-    """(without checkpointing, with the configured checkpointing, a recomputed block's) activation bytes of
-    one micro-batch on the heaviest stage."""
-    args, dims, cfg, tokens, layers = job.args, job.dims, job.cfg, job.tokens, job.layers
-    per_layer = [sum(block_activations(args, i, job.act, "fused", cfg.training.compile, dims.tp).values())
+def _activation_memory(p: Plan, job: _Job) -> None:
+    """Saved activations of one micro-batch on the heaviest stage (with the configured checkpointing and,
+    for comparison, without), times the share the pipeline's first rank holds at once; then the head's
+    saved activations and the logits / cross-entropy buffers of one micro-batch at a time."""
+    args, dims, cfg, tokens, layers, act = job.args, job.dims, job.cfg, job.tokens, job.layers, job.act
+    t = cfg.training
+    per_layer = [sum(block_activations(args, i, act, "fused", t.compile, dims.tp).values())
                  for i in range(args.n_layers)]
     per_layer_stage = sorted(per_layer, reverse=True)[:layers]
     full = sum(per_layer_stage) * tokens
@@ -281,7 +236,7 @@ def _saved_activations(p: Plan, job: _Job) -> tuple[float, float, float]:
         full -= f8_saving
         p.memory["float8 weight copies"] = (job.g["matrices"] * job.frac_layers) / dims.tp * 1
     ac = cfg.activation_checkpoint
-    block_input = job.act * args.dim / dims.tp * tokens
+    block_input = act * args.dim / dims.tp * tokens
     recompute = max(per_layer_stage) * tokens  # a recomputed block's activations, during its backward only
     if ac.mode == "full":
         acts = layers * block_input
@@ -289,40 +244,21 @@ def _saved_activations(p: Plan, job: _Job) -> tuple[float, float, float]:
         n_ckpt = layers // ac.selective_every
         acts = full - n_ckpt * (sum(per_layer_stage) / layers * tokens - block_input)
     elif ac.mode == "selective":  # op-level: matmul and attention outputs kept, pointwise recomputed
-        acts = sum(selective_activations(args, i, job.act, dims.tp) for i in range(layers)) * tokens
+        acts = sum(selective_activations(args, i, act, dims.tp) for i in range(layers)) * tokens
     else:
         acts, recompute = full, 0.0
-    return full, acts, recompute
-
-
-def _pipeline_in_flight(p: Plan, job: _Job) -> tuple[float, int]:
-    """(fraction of all (micro-batch, stage) activations the first rank holds at once, micro-batches): the
-    first rank holds its warm-up micro-batches, each through one (virtual) stage."""
-    dims = job.dims
-    if dims.pp <= 1:
-        return 1.0, 1
-    v = job.cfg.parallelism.pp_virtual_stages
-    micro = job.cfg.parallelism.pp_microbatches or dims.pp * v
-    held = min(micro * v, 2 * (dims.pp - 1) + (v - 1) * dims.pp + 1 if v > 1 else dims.pp)
-    p.notes.append(f"pipeline: {micro} micro-batches, {held} (micro-batch, stage) activations held on the "
-                   "first rank")
-    return held / (micro * v), micro
-
-
-def _activation_memory(p: Plan, job: _Job) -> int:
-    """Activations of one micro-batch on this rank; returns the pipeline's micro-batches."""
-    full, acts, recompute = _saved_activations(p, job)
-    in_flight, micro = _pipeline_in_flight(p, job)
+    in_flight, micro = 1.0, 1
+    if dims.pp > 1:  # the first rank holds its warm-up micro-batches, each through one (virtual) stage
+        v = cfg.parallelism.pp_virtual_stages
+        micro = cfg.parallelism.pp_microbatches or dims.pp * v
+        held = min(micro * v, 2 * (dims.pp - 1) + (v - 1) * dims.pp + 1 if v > 1 else dims.pp)
+        in_flight = held / (micro * v)
+        p.notes.append(f"pipeline: {micro} micro-batches, {held} (micro-batch, stage) activations held on the "
+                       "first rank")
     p.memory["activations"] = acts * in_flight + recompute / micro
     p.activations_no_ac = full * in_flight
-    return micro
-
-
-def _loss_memory(p: Plan, job: _Job, micro: int) -> None:
-    """The head's saved activations and the logits / cross-entropy buffers of one micro-batch at a time."""
-    args, t, act, tokens = job.args, job.cfg.training, job.act, job.tokens
-    head = sum(head_activations(args, act, "fused", t.fused_linear_ce, job.dims.tp).values()) * tokens
-    vocab_local = args.vocab_size / job.dims.tp
+    head = sum(head_activations(args, act, "fused", t.fused_linear_ce, dims.tp).values()) * tokens
+    vocab_local = args.vocab_size / dims.tp
     if t.fused_linear_ce:
         loss_peak = min(t.fused_linear_ce_chunk, tokens) * vocab_local * (2 * F32 + act)
     elif t.compile:  # inductor saves the head-dtype logits and the LSE; one fused kernel writes their gradient
@@ -417,13 +353,12 @@ def report(p: Plan, device_gib: float, cfg: JobConfig) -> list[str]:
     return lines
 
 
-
 def plan_job(cfg: JobConfig, gpus: int | None = None) -> Plan:
     """:func:`plan` on ``gpus`` GPUs, or, when None, on the world the config's layout names (``dp_shard = -1``
     then takes one shard per expert-parallel rank, and a note says so)."""
     par = cfg.parallelism
-    world = gpus or par.dp_replicate * (par.dp_shard if par.dp_shard > 0 else par.ep) * par.tp * par.pp
+    world = gpus or max(par.dp_replicate, 1) * (par.dp_shard if par.dp_shard > 0 else par.ep) * par.tp * par.pp
     p = plan(cfg, world)
-    if gpus is None and par.dp_shard == -1:
-        p.notes.append(f"no --gpus: planned for {world} GPUs (parallelism.dp_shard = -1 takes the rest)")
+    if gpus is None and -1 in (par.dp_shard, par.dp_replicate):
+        p.notes.append(f"no --gpus: planned for {world} GPUs (a parallelism degree of -1 takes the rest)")
     return p

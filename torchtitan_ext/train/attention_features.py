@@ -47,9 +47,10 @@ class AttentionFeatures:
         if t.output_z_reg > 0 and t.fused_linear_ce:
             raise ConfigError("training.output_z_reg needs the logits; it does not combine with "
                               "training.fused_linear_ce yet")
-        if cfg.model.kv_share != "none" and dims.pp > 1:
+        args = next((m.args for part in parts for m in part.modules() if isinstance(m, Decoder)), None)
+        if args is not None and args.kv_share != "none" and dims.pp > 1:  # the resolved model, not the keys
             p = cfg.parallelism
-            check_kv_share_split(n_layers, dims.pp * p.pp_virtual_stages, p.pp_split_points, cfg.model.kv_share_group)
+            check_kv_share_split(n_layers, dims.pp * p.pp_virtual_stages, p.pp_split_points, args.kv_share_group)
         self.documents = documents if d.attention == "document" else None
         if d.attention == "document" and documents is None:
             if eot_id is None:

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from torchtitan_ext.checkpoint.run_folder import would_resume
 from torchtitan_ext.comm.compressed_collectives import CommStats, apply_gradient_compression
 from torchtitan_ext.config.job_config import JobConfig
 from torchtitan_ext.config.loader import ConfigError
@@ -154,8 +155,14 @@ def plan_batches(cfg: JobConfig, dims: ParallelDims) -> BatchPlan:
 
 def build_data(cfg: JobConfig, dims: ParallelDims) -> tuple[object, ModelArgs, DataBundle]:
     """(tokenizer, model arguments, loaders): the vocabulary sizes the model, whose vocabulary bounds the
-    token ids the loaders accept; every shard is scanned now, so a bad one stops the job before any work."""
-    tokenizer = build_tokenizer(cfg.data)
+    token ids the loaders accept; every shard is scanned now, so a bad one stops the job before any work.
+    The tokenizer travels with the run: rank 0 saves it into ``<dump_folder>/tokenizer/`` (with its vocabulary
+    size, special ids and fingerprint) when absent (or stale, on a start from step 0); a resume whose tokenizer
+    differs from it stops here."""
+    tokenizer = build_tokenizer(cfg.data, cfg.job.dump_folder, save=not dist.is_initialized() or dist.get_rank() == 0,
+                                resume=would_resume(cfg))
+    if hasattr(tokenizer, "describe"):
+        log.info(f"{tokenizer.describe()}; the run's copy: {os.path.join(cfg.job.dump_folder, 'tokenizer')}")
     args = resolve_model_args(cfg, tokenizer.vocab_size)
     data = build_loaders(cfg, tokenizer, dp_rank=dims.dp_rank, dp_world_size=dims.dp, vocab_limit=args.vocab_size,
                          sidecars=sidecar_factory(cfg))
@@ -257,8 +264,18 @@ def forward_context(cfg: JobConfig, runtime: Runtime) -> contextlib.ExitStack:
     return stack
 
 
+def check_mode(cfg: JobConfig) -> None:
+    """``training.mode = "sft"`` fine-tunes a trained model on conversations."""
+    if cfg.training.mode == "sft" and cfg.data.dataset != "chat":
+        raise ConfigError(f"training.mode = 'sft' needs data.dataset = 'chat' (got {cfg.data.dataset!r})")
+    if cfg.training.mode == "sft" and not cfg.checkpoint.initial_load_path:
+        raise ConfigError("training.mode = 'sft' needs checkpoint.initial_load_path: the model to fine-tune (a "
+                          "Hugging Face folder or one of our dump folders)")
+
+
 def build_run(cfg: JobConfig) -> BuiltRun:
     """Every stage, in order, for the trainer."""
+    check_mode(cfg)
     runtime = build_runtime(cfg)
     batches = plan_batches(cfg, runtime.dims)
     tokenizer, args, data = build_data(cfg, runtime.dims)

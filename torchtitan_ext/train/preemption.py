@@ -5,6 +5,11 @@ a signal delivered to a single rank still stops all of them after the same step;
 checkpoint and exits 0, and a requeued job resumes from it exactly. With several ranks the reduced flag is
 read one step later (the reduction queued behind step N is done by the time step N+1 is queued), so the
 check never makes the GPU wait for the host; a signal stops the job one step later than on one rank.
+
+Before training begins nothing needs saving: until the trainer installs its handlers (``raise_on_signal``,
+from the entry point) a signal raises ``StartupInterrupted`` where the job is; after that, the trainer asks
+``requested_now`` once more before its first write (the resume), so a signal during start-up or resume ends
+the job with exit 0 and one line, having written nothing.
 """
 
 from __future__ import annotations
@@ -19,6 +24,24 @@ import torch.distributed as dist
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
+class StartupInterrupted(BaseException):
+    """A preemption signal before training began: nothing written, exit 0. A BaseException, so that no
+    ``except Exception`` on the way (a checkpoint load's fallback) takes it for a failure."""
+
+
+def raise_on_signal() -> None:
+    """Until ``Preemption`` replaces them: SIGTERM / SIGUSR1 raise ``StartupInterrupted`` at once."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        raise StartupInterrupted(f"preempted ({signal.Signals(signum).name}) during start-up: nothing written; "
+                                 f"exiting")
+
+    for sig in SIGNALS:
+        signal.signal(sig, stop)
+
+
 class Preemption:
     def __init__(self, device: torch.device):
         self.device = device
@@ -30,6 +53,19 @@ class Preemption:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.signal = signum
+
+    def requested_now(self) -> bool:
+        """Blocking, on every rank: True when a signal has reached any rank so far (start-up's last check)."""
+        flag = torch.full((), 0 if self.signal is None else 1, device=self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def check_startup(self) -> None:
+        """Raise ``StartupInterrupted`` when a signal arrived during start-up (every rank alike)."""
+        if self.requested_now():
+            name = signal.Signals(self.signal).name if self.signal is not None else "signal on another rank"
+            raise StartupInterrupted(f"preempted ({name}) during start-up or resume: nothing written; exiting")
 
     def requested(self) -> bool:
         """Call once after every step on every rank; the same answer on all of them: True once a signal

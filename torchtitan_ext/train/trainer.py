@@ -15,8 +15,19 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from torchtitan_ext.checkpoint.hf import load_hf_weights
+from torchtitan_ext.checkpoint.initial import load_initial_weights
 from torchtitan_ext.checkpoint.manager import CheckpointManager, ModelParts
+from torchtitan_ext.checkpoint.run_folder import (
+    NothingToTrain,
+    identity,
+    identity_changes,
+    keep_config,
+    move_aside,
+    previous_run_files,
+    read_identity,
+    would_resume,
+    write_identity,
+)
 from torchtitan_ext.config.job_config import JobConfig
 from torchtitan_ext.config.loader import to_toml
 from torchtitan_ext.distill.student import Distillation
@@ -25,6 +36,7 @@ from torchtitan_ext.eval.bpb import batch_sums, summarize, token_bytes
 from torchtitan_ext.eval.sliding import token_weighted_mean, trainer_batches
 from torchtitan_ext.metrics.logger import MetricsLogger, flops_per_token, peak_flops
 from torchtitan_ext.metrics.profiling import Profiling
+from torchtitan_ext.metrics.wandb_sink import tracking_sinks
 from torchtitan_ext.parallel.grad_norm import grad_norm
 from torchtitan_ext.parallel.pp import build_schedule
 from torchtitan_ext.quant.float8 import precompute_float8_scales
@@ -114,7 +126,7 @@ class Trainer:
         self.pp_has_last = any(sid == n_stages - 1 for sid, _ in model.stages)
         return build_schedule(model.stages, n_stages, self.device, self.dims.submesh("pp").get_group(),
                               p.pp_schedule, self.pp_microbatches, self._pipeline_loss,
-                              carry_mask=self.cfg.data.attention != "causal")
+                              carry_mask=self.cfg.data.attention != "causal" or self.cfg.data.dataset == "chat")
 
     def _build_checkpointer(self) -> CheckpointManager:
         """Model, optimizer, loader, this trainer's progress and the EMA; error-feedback residuals are
@@ -132,19 +144,68 @@ class Trainer:
                                  log=log.info)
 
     def _resume(self) -> None:
-        """The latest complete checkpoint, else exported weights for a fresh job; then the metrics files
-        (their records past the resumed step dropped) and the resolved config beside them."""
-        cfg = self.cfg
+        """The latest complete checkpoint (its parameters checked against the model's), else exported
+        weights for a fresh job; then the metrics files (their records past the resumed step dropped), the
+        run's identity (run.json: a change of seq_len, batch or data mixture is one line each) and the
+        resolved config (earlier ones kept as config-<time>.toml). A signal before this point, or a resumed
+        step with nothing left to train, ends the job here with nothing written."""
+        cfg, dump = self.cfg, Path(self.cfg.job.dump_folder)
+        ident = identity(cfg, self.model_args, self.global_batch_size)
+        saved = read_identity(dump) if would_resume(cfg) else None
+        if saved is not None and self.rank == 0:
+            for line in identity_changes(saved, ident):
+                if not line.startswith("training.seq_len"):  # said with the data position after the load
+                    log.info(line)
         self.step = self.checkpointer.load()
+        self.preemption.check_startup()  # nothing is written before this point
+        t = cfg.training
+        if self.step and (self.step > t.steps or self.step == t.steps and (
+                self.val_loader is None or cfg.eval.steps == 0)):
+            raise NothingToTrain(f"nothing to train: resumed at step {self.step} and training.steps = {t.steps} "
+                                 f"(raise training.steps to continue); nothing written")
+        if not self.step and would_resume(cfg):  # every checkpoint unreadable, checkpoint.allow_fresh_start
+            self._set_aside_previous_run()
         if not self.step and cfg.checkpoint.initial_load_path:
-            load_hf_weights(self.model_parts, cfg.checkpoint.initial_load_path, self.model_args)
-            log.info(f"initial weights from {cfg.checkpoint.initial_load_path}")
+            log.info(load_initial_weights(self.model_parts, cfg.checkpoint.initial_load_path, self.model_args))
         if self.step:
             log.info(f"resumed from {self.checkpointer.folder}/step-{self.step}")
+            self._keep_token_position(saved)
+        if cfg.lr_scheduler.warmup_steps > t.steps and self.rank == 0:
+            log.info(f"warning: lr_scheduler.warmup_steps = {cfg.lr_scheduler.warmup_steps} is longer than the "
+                     f"run (training.steps = {t.steps}): the LR never reaches optimizer.lr = {cfg.optimizer.lr}")
         self.metrics = MetricsLogger(cfg.job.dump_folder, self.rank, cfg.metrics.tensorboard, cfg.metrics.jsonl,
-                                     resume_step=self.step)
+                                     resume_step=self.step, total_steps=cfg.training.steps,
+                                     sinks=tracking_sinks(cfg, self.rank))
         if self.rank == 0:  # only a config that passed every check above replaces the previous one
-            (Path(cfg.job.dump_folder) / "config.toml").write_text(to_toml(cfg))
+            write_identity(dump, ident, self.step)
+            keep_config(dump, to_toml(cfg))
+
+    def _keep_token_position(self, saved: dict | None) -> None:
+        """A changed training.seq_len: a loader that counts sequences (``{"position": n}``) moves to the
+        sequence that starts at the same token, so the run continues from the same position in tokens."""
+        old, new = (saved or {}).get("training.seq_len"), self.cfg.training.seq_len
+        if not old or old == new:
+            return
+        where = "the data continues from the saved position"
+        if set(self.loader.state_dict()) == {"position"}:
+            before = self.loader.position
+            self.loader.load_state_dict({"position": before * old // new})
+            where = (f"the data continues from the same position in tokens: sequence {before} -> "
+                     f"{self.loader.position}")
+        if self.rank == 0:
+            log.info(f"training.seq_len changed since the last start: {old} -> {new} ({where})")
+
+    def _set_aside_previous_run(self) -> None:
+        """A start from step 0 over unreadable checkpoints: the old run's files move to previous-<time>/
+        (its metrics are not truncated); this run's tokenizer copy and the cache stay."""
+        cfg, dump = self.cfg, Path(self.cfg.job.dump_folder)
+        if self.rank == 0 and previous_run_files(dump, cfg.checkpoint.folder):
+            keep = (dump / "tokenizer", Path(cfg.data.cache_dir).expanduser().resolve())
+            dest, names = move_aside(dump, keep=keep)
+            self.checkpointer.folder.mkdir(parents=True, exist_ok=True)
+            log.info(f"starting from step 0: moved the previous run's files ({', '.join(names)}) aside to {dest}")
+        if dist.is_initialized():
+            dist.barrier()
 
     def tokens_through(self, step: int) -> int:
         """Training tokens consumed by steps 1..step (all ranks), batch warmup included."""

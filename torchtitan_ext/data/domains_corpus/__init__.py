@@ -23,8 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from torchtitan_ext.data.corpus import builtin_tokenizer, stdlib_files
+from torchtitan_ext.data.corpus import stdlib_files
 from torchtitan_ext.data.shards import write_shard
+from torchtitan_ext.data.tokenizers import open_tokenizer
 
 logger = logging.getLogger(__name__)
 _ROFF_FONT = re.compile(r"\\f(\[[^\]]*\]|\(..|.)")
@@ -70,7 +71,7 @@ def build(output: Path, tokenizer: str, vocab_size: int, cache_dir: Path, max_mb
           report: Callable[[str], None] = logger.info) -> dict[str, dict]:
     """Write the shards; {domain: {"train": path, "val": path, "documents": n, "tokens": n}}. ``report``
     receives one line per domain (and per skipped one)."""
-    tok = builtin_tokenizer(tokenizer, vocab_size, cache_dir)
+    tok = open_tokenizer(tokenizer, vocab_size, cache_dir)
     eot = np.array([tok.eot_id], dtype=np.int32)
     built = {}
     for name, source in SOURCES.items():

@@ -4,17 +4,13 @@ itself is built by ``torchtitan_ext.data.domains_corpus.build``)."""
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
-from torchtitan_ext.cli import run_tool
+from torchtitan_ext import cli
 from torchtitan_ext.data.domains_corpus import __doc__ as DESCRIPTION
 from torchtitan_ext.data.domains_corpus import build
-from torchtitan_ext.errors import UserError
-
-
-def _stderr(line: str) -> None:
-    print(line, file=sys.stderr)
 
 
 def _main(argv: list[str]) -> int:
@@ -28,16 +24,14 @@ def _main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     try:
         build(Path(args.output).expanduser(), args.tokenizer, args.tokenizer_vocab_size,
-              Path(args.cache_dir).expanduser(), args.max_mb, report=_stderr)
+              Path(args.cache_dir).expanduser(), args.max_mb, report=functools.partial(print, file=sys.stderr))
     except ValueError as e:
-        if isinstance(e, UserError):
-            raise
-        raise UserError(str(e)) from None
+        raise cli.user_error(e) from None
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_tool(_main, argv)
+    return cli.run_tool(_main, argv)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,7 @@ token shards.
 The shards' tokens are cut into windows of ``seq_len + 1`` tokens (inputs and the labels shifted by one),
 shuffled per epoch by a seeded permutation. Global step s uses the windows at global positions
 ``[s * G, (s + 1) * G)`` with G the global micro-batch; data-parallel rank r reads its contiguous slice of
-``local_batch_size``. The state is one number, the global position, so it is the same on every rank and a
-checkpoint resumes under any world size with the same data.
+``local_batch_size``. The state is the global position (``data/base.py``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""Turn text or JSONL files into token shards, on many processes, with quality filters (this library;
-the command line is ``__main__.py``):
+"""Turn text or JSONL files into token shards, on many processes, with quality filters:
 
     python -m torchtitan_ext.data.prepare --input 'data/*.jsonl' --output-dir data/shards --tokenizer byte \\
         --workers 8 --filters heuristics,minhash,ppl --ppl-checkpoint outputs/debug
@@ -30,14 +29,14 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from torchtitan_ext.data.corpus import builtin_tokenizer
 from torchtitan_ext.data.filters import HeuristicRules, NearDuplicates, heuristic_reason, minhash_signature
 from torchtitan_ext.data.shards import write_shard
+from torchtitan_ext.data.tokenizers import open_tokenizer
 from torchtitan_ext.errors import UserError
 
 FILTERS = ("heuristics", "minhash", "ppl")
@@ -49,35 +48,9 @@ class InputError(UserError):
     """A bad input file or record; the message names it."""
 
 
-@dataclass
-class Options:
-    """The preparation's settings (the command line's flags, ``python -m torchtitan_ext.data.prepare -h``)."""
-
-    input: list[str]
-    output: str
-    tokenizer: str = "byte"
-    tokenizer_vocab_size: int = 4096
-    cache_dir: str = "~/.cache/torchtitan_ext"
-    text_key: str = "text"
-    shard_tokens: int = 100_000_000
-    val_shards: int = 0
-    workers: int = 1
-    chunk_docs: int = 64
-    filters: str = ""
-    min_tokens: int = HeuristicRules.min_tokens
-    max_tokens: int = HeuristicRules.max_tokens
-    max_symbol_ratio: float = HeuristicRules.max_symbol_ratio
-    max_repeat_ratio: float = HeuristicRules.max_repeat_ratio
-    minhash_threshold: float = 0.8
-    ppl_checkpoint: str = ""
-    ppl_percentile: float = 90.0
-    ppl_max_tokens: int = 2048
-    trees: bool = False
-
-
 class Progress:
-    """Documents, tokens and bytes done, with the rate and ETA; ``show(progress, final)`` is called at most
-    every half second and once at the end."""
+    """Documents, tokens and bytes done; ``show(progress, final)`` is called at most every half second and
+    once at the end."""
 
     def __init__(self, total_bytes: int, label: str, show: Callable[[Progress, bool], None] | None = None):
         self.total, self.label, self.start, self.last, self.show = total_bytes, label, time.time(), 0.0, show
@@ -93,30 +66,20 @@ class Progress:
             self.show(self, final)
 
     @property
-    def rate(self) -> float:
-        """Bytes per second."""
-        return self.bytes / max(time.time() - self.start, 1e-9)
-
-    @property
-    def eta(self) -> float:
-        rate = self.rate
-        return max((self.total - self.bytes) / rate if rate > 0 else 0.0, 0.0)
-
-    @property
     def mb_per_s(self) -> float:
-        return self.rate / 1e6
+        return self.bytes / 1e6 / max(time.time() - self.start, 1e-9)
 
 
 @dataclass
 class Hooks:
-    """What the caller supplies: console lines, progress display, the shard writer (tests replace it) and
-    the ``ppl`` filter's scorer (texts -> mean next-token loss each, built by the entry point)."""
+    """What the caller supplies: console lines, progress display, the shard writer and the ``ppl`` filter's
+    scorer (texts -> mean next-token loss each)."""
 
     warn: Callable[[str], None] = logger.warning
     note: Callable[[str], None] = logger.info
     show: Callable[[Progress, bool], None] | None = None
     write: Callable = write_shard
-    ppl_scorer: Callable[[list[str]], np.ndarray] | None = field(default=None)
+    ppl_scorer: Callable[[list[str]], np.ndarray] | None = None
 
 
 def documents(files: list[Path], text_key: str, warn: Callable[[str], None] = logger.warning
@@ -152,8 +115,6 @@ def documents(files: list[Path], text_key: str, warn: Callable[[str], None] = lo
             yield text
 
 
-
-
 class ShardWriter:
     """Buffers tokens and writes full shards: val_000000.bin ... then train_000000.bin ..."""
 
@@ -187,7 +148,6 @@ class ShardWriter:
             self._flush(self.buffered)
 
 
-
 # --- worker side: tokenize and apply the heuristics -------------------------------------------------------
 _TOK = None
 _RULES: HeuristicRules | None = None
@@ -196,7 +156,7 @@ _SIGNATURES = False
 
 def _init_worker(tok_spec: tuple, rules: HeuristicRules | None, signatures: bool) -> None:
     global _TOK, _RULES, _SIGNATURES
-    _TOK = builtin_tokenizer(*tok_spec)
+    _TOK = open_tokenizer(*tok_spec)
     _RULES, _SIGNATURES = rules, signatures
 
 
@@ -205,8 +165,9 @@ def _process(texts: list[str]) -> list[tuple[np.ndarray | None, str | None, np.n
     document: the costly per-document work, done in the workers."""
     out = []
     eot = np.array([_TOK.eot_id], dtype=np.int32)
-    for text in texts:
-        ids = np.asarray(_TOK.encode(text), dtype=np.int32)
+    encoded = _TOK.encode_batch(texts) if hasattr(_TOK, "encode_batch") else map(_TOK.encode, texts)
+    for text, ids in zip(texts, encoded, strict=True):
+        ids = np.asarray(ids, dtype=np.int32)
         reason = heuristic_reason(text, len(ids), _RULES) if _RULES is not None else None
         if reason:
             out.append((None, reason, None))
@@ -220,7 +181,6 @@ def _save_state(out: Path, state: dict) -> None:
     with open(tmp, "wb") as f:
         pickle.dump(state, f)
     os.replace(tmp, out / STATE)
-
 
 
 def _pipeline(files, args, pool, skip: int, dedup: NearDuplicates | None, removed: dict, progress: Progress,
@@ -268,9 +228,7 @@ def _pipeline(files, args, pool, skip: int, dedup: NearDuplicates | None, remove
         raise failure[0]
 
 
-
-
-def check(opts: Options) -> tuple[list[Path], list[str]]:
+def check(opts) -> tuple[list[Path], list[str]]:
     """(input files, filters in order); InputError (one line) for what cannot run."""
     files = sorted({Path(f) for pattern in opts.input for f in glob.glob(str(Path(pattern).expanduser()))})
     if not files:
@@ -292,15 +250,16 @@ def check(opts: Options) -> tuple[list[Path], list[str]]:
     return files, filters
 
 
-def prepare(opts: Options, hooks: Hooks | None = None) -> dict | None:
-    """Write the shards of ``opts``; the final report ({documents_kept, removed, tokens, train_shards,
-    val_shards, mb_per_s, workers[, ppl_threshold_nats]}), or None when the folder was already complete."""
+def prepare(opts, hooks: Hooks | None = None) -> dict | None:
+    """Write the shards of ``opts`` (the command line's arguments, ``python -m torchtitan_ext.data.prepare -h``);
+    the final report ({documents_kept, removed, tokens, train_shards, val_shards, mb_per_s, workers[,
+    ppl_threshold_nats]}), or None when the folder was already complete."""
     hooks = hooks or Hooks()
     files, filters = check(opts)
     if "ppl" in filters and hooks.ppl_scorer is None:
         raise InputError("--filters ppl: no perplexity scorer was given")
     tok_spec = (opts.tokenizer, opts.tokenizer_vocab_size, Path(opts.cache_dir).expanduser())
-    builtin_tokenizer(*tok_spec)  # a bad tokenizer fails here, in one line, before any worker starts
+    open_tokenizer(*tok_spec)  # a bad tokenizer fails here, in one line, before any worker starts
     rules = HeuristicRules(opts.min_tokens, opts.max_tokens, opts.max_symbol_ratio, opts.max_repeat_ratio) \
         if "heuristics" in filters else None
     out = Path(opts.output)
@@ -318,22 +277,7 @@ def prepare(opts: Options, hooks: Hooks | None = None) -> dict | None:
             pool.terminate()
 
 
-def _ppl_scores(opts: Options, hooks: Hooks, files, before_ppl, pool, out: Path, total_bytes: int) -> np.ndarray:
-    """Pass 1 of the ``ppl`` filter: the scores of what the earlier filters keep (cached in the folder)."""
-    cache = out / "ppl_scores.npy"
-    if cache.is_file():
-        return np.load(cache)
-    progress = Progress(total_bytes, "scoring pass", hooks.show)
-    dedup = NearDuplicates(opts.minhash_threshold) if "minhash" in before_ppl else None
-    texts = [t for _, t, _ in _pipeline(files, opts, pool, 0, dedup, {}, progress, hooks.warn)]
-    progress.update(0, 0, 0, final=True)
-    scores = hooks.ppl_scorer(texts)
-    np.save(out / "ppl_scores.tmp.npy", scores)
-    os.replace(out / "ppl_scores.tmp.npy", cache)
-    return scores
-
-
-def _resume(opts: Options, hooks: Hooks, out: Path, writer: ShardWriter) -> dict | None:
+def _resume(opts, hooks: Hooks, out: Path, writer: ShardWriter) -> dict | None:
     """The saved state of an interrupted preparation in ``out`` (or a fresh one); None when it completed."""
     state = {"records": 0, "kept": 0, "removed": {}, "dedup": None, "carry": np.zeros(0, np.int32),
              "index": dict(writer.index), "val_left": writer.val_left, "written": 0, "done": False,
@@ -354,11 +298,21 @@ def _resume(opts: Options, hooks: Hooks, out: Path, writer: ShardWriter) -> dict
     return state
 
 
-def _write(opts: Options, hooks: Hooks, files, filters, pool, out: Path, total_bytes: int) -> dict | None:
+def _write(opts, hooks: Hooks, files, filters, pool, out: Path, total_bytes: int) -> dict | None:
     before_ppl = filters[:filters.index("ppl")] if "ppl" in filters else filters
-    scores = _ppl_scores(opts, hooks, files, before_ppl, pool, out, total_bytes) if "ppl" in filters else None
-    ppl_threshold = None
-    if scores is not None:
+    scores = ppl_threshold = None
+    if "ppl" in filters:  # pass 1: the scores of what the earlier filters keep (cached in the folder)
+        cache = out / "ppl_scores.npy"
+        if cache.is_file():
+            scores = np.load(cache)
+        else:
+            progress = Progress(total_bytes, "scoring pass", hooks.show)
+            dedup = NearDuplicates(opts.minhash_threshold) if "minhash" in before_ppl else None
+            texts = [t for _, t, _ in _pipeline(files, opts, pool, 0, dedup, {}, progress, hooks.warn)]
+            progress.update(0, 0, 0, final=True)
+            scores = hooks.ppl_scorer(texts)
+            np.save(out / "ppl_scores.tmp.npy", scores)
+            os.replace(out / "ppl_scores.tmp.npy", cache)
         ppl_threshold = float(np.percentile(scores, opts.ppl_percentile)) if len(scores) else 0.0
     writer = ShardWriter(out, opts.shard_tokens, opts.val_shards, hooks.write)
     state = _resume(opts, hooks, out, writer)

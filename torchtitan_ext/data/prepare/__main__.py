@@ -1,11 +1,9 @@
-"""``python -m torchtitan_ext.data.prepare``: arguments, console lines (progress on one refreshed stderr
-line, the report) and exit codes; the work is ``torchtitan_ext.data.prepare.prepare`` (and, with
-``--trees``, ``torchtitan_ext.data.sources.trees.prepare_trees``)."""
+"""``python -m torchtitan_ext.data.prepare``: arguments, console lines and exit codes; the work is
+``torchtitan_ext.data.prepare.prepare`` (with ``--trees``, ``data.sources.trees.prepare_trees``)."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import glob
 import json
 import sys
@@ -13,14 +11,13 @@ from pathlib import Path
 
 import numpy as np
 
-from torchtitan_ext.cli import run_tool
-from torchtitan_ext.data.corpus import builtin_tokenizer
+from torchtitan_ext import cli
 from torchtitan_ext.data.filters import HeuristicRules, model_scores
-from torchtitan_ext.data.prepare import FILTERS, Hooks, Options, Progress, prepare
+from torchtitan_ext.data.prepare import FILTERS, Hooks, Progress, prepare
 from torchtitan_ext.data.prepare import __doc__ as DESCRIPTION
 from torchtitan_ext.data.shards import write_shard
 from torchtitan_ext.data.sources.trees import TreeError, prepare_trees
-from torchtitan_ext.errors import UserError
+from torchtitan_ext.data.tokenizers import open_tokenizer
 
 
 def perplexity_scores(texts: list[str], checkpoint: str, max_tokens: int = 2048, batch_size: int = 16) -> np.ndarray:
@@ -46,8 +43,10 @@ class _ConsoleProgress:
         self.open_line = False  # a progress line waits for its newline
 
     def __call__(self, p: Progress, final: bool) -> None:
-        print(f"\r{p.label}: {p.docs:,} docs  {p.tokens:,} tokens  {p.mb_per_s:.2f} MB/s  "
-              f"{100 * min(1.0, p.bytes / max(p.total, 1)):5.1f}%  ETA {p.eta:.0f}s   ",
+        mb = p.mb_per_s
+        eta = (p.total - p.bytes) / (mb * 1e6) if mb > 0 else 0.0
+        print(f"\r{p.label}: {p.docs:,} docs  {p.tokens:,} tokens  {mb:.2f} MB/s  "
+              f"{100 * min(1.0, p.bytes / max(p.total, 1)):5.1f}%  ETA {max(eta, 0):.0f}s   ",
               end="\n" if final else "", file=sys.stderr, flush=True)
         self.open_line = not final
 
@@ -57,7 +56,8 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", required=True, nargs="+", help="files or globs (.txt, .jsonl, other text)")
     p.add_argument("--output-dir", "--output", dest="output", required=True, help="folder for the shards")
-    p.add_argument("--tokenizer", default="byte", help="byte, builtin, or a SentencePiece .model path")
+    p.add_argument("--tokenizer", default="byte", help="byte, builtin, a Hugging Face tokenizer.json (or its "
+                   "folder), a .tiktoken file[:encoding], or a SentencePiece .model")
     p.add_argument("--tokenizer-vocab-size", type=int, default=4096, help="for --tokenizer builtin")
     p.add_argument("--cache-dir", default="~/.cache/torchtitan_ext")
     p.add_argument("--text-key", default="text", help="JSONL field holding the document")
@@ -80,46 +80,39 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _user_errors(e: ValueError) -> UserError:
-    """A ValueError of the input (an undecodable file, a bad number) as the user mistake it is."""
-    return e if isinstance(e, UserError) else UserError(str(e))
-
-
 def _prepare(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     if args.trees:
-        return _trees(args.input, args.output, args.tokenizer, args.tokenizer_vocab_size, args.cache_dir,
-                      args.shard_tokens)
-    opts = Options(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Options)})
-    scorer = (lambda texts: perplexity_scores(texts, opts.ppl_checkpoint, opts.ppl_max_tokens)) \
-        if opts.ppl_checkpoint else None
+        return _trees(args)
+    scorer = (lambda texts: perplexity_scores(texts, args.ppl_checkpoint, args.ppl_max_tokens)) \
+        if args.ppl_checkpoint else None
     show = _ConsoleProgress()
     hooks = Hooks(warn=_stderr, note=_stderr, show=show, write=write_shard, ppl_scorer=scorer)
     try:
-        report = prepare(opts, hooks)
+        report = prepare(args, hooks)
     except ValueError as e:
         if show.open_line:
             print(file=sys.stderr)
-        raise _user_errors(e) from None
+        raise cli.user_error(e) from None
     if report is not None:
         _stderr(json.dumps(report))
         _stderr(f"wrote {report['tokens']:,} tokens from {report['documents_kept']:,} documents: "
-                f"{report['train_shards']} train and {report['val_shards']} val shards in {Path(opts.output)}")
+                f"{report['train_shards']} train and {report['val_shards']} val shards in {Path(args.output)}")
     return 0
 
 
-def _trees(inputs: list[str], output: str, tokenizer: str, vocab_size: int, cache_dir: str, shard_tokens: int) -> int:
-    files = sorted({Path(f) for pattern in inputs for f in (glob.glob(pattern) or [pattern])})
+def _trees(args: argparse.Namespace) -> int:
+    files = sorted({Path(f) for pattern in args.input for f in (glob.glob(pattern) or [pattern])})
     try:
         missing = [f for f in files if not f.is_file()]
         if missing:
             raise TreeError(f"{missing[0]}: no such file")
-        tok = builtin_tokenizer(tokenizer, vocab_size, Path(cache_dir).expanduser())
-        counts = prepare_trees(files, Path(output), tok, shard_tokens)
+        tok = open_tokenizer(args.tokenizer, args.tokenizer_vocab_size, Path(args.cache_dir).expanduser())
+        counts = prepare_trees(files, Path(args.output), tok, args.shard_tokens)
     except UnicodeDecodeError as e:
-        raise _user_errors(e) from None
+        raise cli.user_error(e) from None
     print(f"{counts['trees']:,} trees, {counts['nodes']:,} nodes, {counts['tokens']:,} tokens in "
-          f"{counts['shards']} shard(s) under {output}")
+          f"{counts['shards']} shard(s) under {args.output}")
     return 0
 
 
@@ -127,22 +120,22 @@ def _trees_cli(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m torchtitan_ext.data.prepare --trees",
                                  description="JSONL conversation trees -> token shards with node sidecars")
     ap.add_argument("--input", nargs="+", required=True, help="JSONL files or globs, one tree per line")
-    ap.add_argument("--output-dir", required=True)
-    ap.add_argument("--tokenizer", default="byte", help="byte, builtin or a SentencePiece .model path")
+    ap.add_argument("--output-dir", dest="output", metavar="OUTPUT_DIR", required=True)
+    ap.add_argument("--tokenizer", default="byte", help="byte, builtin, a tokenizer.json (or its folder), a "
+                    ".tiktoken file or a SentencePiece .model")
     ap.add_argument("--tokenizer-vocab-size", type=int, default=4096)
     ap.add_argument("--cache-dir", default="~/.cache/torchtitan_ext")
     ap.add_argument("--shard-tokens", type=int, default=1 << 26)
-    a = ap.parse_args(argv)
-    return _trees(a.input, a.output_dir, a.tokenizer, a.tokenizer_vocab_size, a.cache_dir, a.shard_tokens)
+    return _trees(ap.parse_args(argv))
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_tool(_prepare, argv)
+    return cli.run_tool(_prepare, argv)
 
 
 def trees_main(argv: list[str] | None = None) -> int:
     """The trees mode alone (the former ``python -m torchtitan_ext.data.trees``)."""
-    return run_tool(_trees_cli, argv)
+    return cli.run_tool(_trees_cli, argv)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torchtitan_ext.data.base import LoaderContext, require_static_mixing
 from torchtitan_ext.data.corpus import builtin_shards
-from torchtitan_ext.data.sources.stream import stream_loaders
+from torchtitan_ext.data.sources.shards import stream_loaders
 
 
 def build(data, ctx: LoaderContext):

@@ -165,19 +165,6 @@ class MixingLoader:
         self.weights = state["weights"].cpu().numpy().astype(np.float64).copy()
 
 
-class DomainValidation(dict):
-    """Validation loaders by domain name; ``vocab_limit`` set on all of them (as on one loader)."""
-
-    @property
-    def vocab_limit(self) -> int:
-        return next(iter(self.values())).vocab_limit
-
-    @vocab_limit.setter
-    def vocab_limit(self, value: int) -> None:
-        for loader in self.values():
-            loader.vocab_limit = value
-
-
 def _domain_stream(ctx: LoaderContext):
     """A domain's training stream: the packer over its shards, one window per draw, its own seed."""
     def make(files, seq_len, local_batch_size, dp_rank, dp_world_size, seed, shuffle):
@@ -187,13 +174,13 @@ def _domain_stream(ctx: LoaderContext):
     return make
 
 
-def build(data, ctx: LoaderContext) -> tuple[MixingLoader, DomainValidation | None]:
+def build(data, ctx: LoaderContext) -> tuple[MixingLoader, dict[str, TokenDataLoader] | None]:
     """(training loader, per-domain validation loaders or None) for ``[[data.domains]]``."""
     parsed = parse_domains(data.domains)
     loader = MixingLoader(parsed, ctx.seq_len, ctx.local_batch_size, ctx.dp_rank, ctx.dp_world_size, ctx.seed,
                           ctx.shuffle, data.mixing, data.mixing_rate, data.mixing_floor, data.mixing_cap,
                           _domain_stream(ctx), vocab_limit=ctx.vocab_limit)
-    val = DomainValidation()
+    val: dict[str, TokenDataLoader] = {}
     for i, d in enumerate(parsed):
         if d.val:
             val[d.name] = TokenDataLoader(list_shards(d.val, f"data.domains[{i}].val ({d.name})"), shuffle=False,

@@ -1,14 +1,24 @@
 """``data.dataset = "shards"``: token shards prepared elsewhere (``python -m torchtitan_ext.data.prepare``,
-or FineWeb's published shards), named by ``data.train_path`` / ``data.val_path`` (folder, file or glob)."""
+or FineWeb's published shards), named by ``data.train_path`` / ``data.val_path`` (folder, file or glob).
+``stream_loaders`` is what the single-stream sources (this one, the built-in corpus) share."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from torchtitan_ext.config.loader import ConfigError
-from torchtitan_ext.data.base import LoaderContext, require_static_mixing
+from torchtitan_ext.data.base import Loader, LoaderContext, require_static_mixing
+from torchtitan_ext.data.packers.concat import TokenDataLoader
 from torchtitan_ext.data.shards import list_shards
-from torchtitan_ext.data.sources.stream import stream_loaders
+
+
+def stream_loaders(train_files: list[Path], val_files: list[Path], ctx: LoaderContext
+                   ) -> tuple[Loader, TokenDataLoader | None]:
+    """(training loader by ``ctx.packer``, given the sidecars and documents; validation windows in order)."""
+    loader = ctx.packer(train_files, ctx, ctx.shuffle, sidecars=ctx.sidecars, documents=ctx.documents)
+    val = TokenDataLoader(val_files, shuffle=False, vocab_limit=ctx.vocab_limit, documents=ctx.documents,
+                          **ctx.window_args()) if val_files else None
+    return loader, val
 
 
 def shard_files(data) -> tuple[list[Path], list[Path]]:

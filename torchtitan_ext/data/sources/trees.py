@@ -119,8 +119,7 @@ def prepare_trees(files: list[Path], out: Path, tokenizer, shard_tokens: int = 1
 
 
 class TreeDataLoader(PositionState):
-    """Deterministic, stateful loader of windows packed with whole trees (state: the global window
-    position, as ``TokenDataLoader``, so a checkpoint resumes exactly under any data-parallel size)."""
+    """Deterministic, stateful loader of windows packed with whole trees (state: the global position)."""
 
     def __init__(self, shards: list[Path], seq_len: int, local_batch_size: int, dp_rank: int,
                  dp_world_size: int, seed: int, shuffle: bool, eot_id: int = 0, position_reset: bool = True, *,

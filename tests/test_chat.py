@@ -1,0 +1,106 @@
+"""Chat / SFT data: the assistant mask by hand, zero gradient from masked tokens, packed conversations equal
+each conversation alone (float64), and a fine-tuning run from a pretrained dump folder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from trainer_utils import losses, run_trainer
+
+from torchtitan_ext.config.job_config import DataSection
+from torchtitan_ext.config.loader import ConfigError
+from torchtitan_ext.data.chat import ChatTemplate, conversation_tokens
+from torchtitan_ext.data.registry import build_tokenizer
+from torchtitan_ext.data.sources.chat import IGNORE, ChatLoader
+from torchtitan_ext.models.args import ModelArgs
+from torchtitan_ext.models.decoder import Decoder
+from torchtitan_ext.train.losses import cross_entropy_loss
+
+BYTES = build_tokenizer(DataSection(tokenizer="byte"))
+
+
+def _conversation(i: int) -> list[dict]:
+    turns = [{"role": "user", "content": f"what is {i} plus {i}?"},
+             {"role": "assistant", "content": f"{2 * i}."}]
+    if i % 3 == 0:
+        turns = [{"role": "system", "content": "be brief"}, *turns,
+                 {"role": "user", "content": "and times two?"}, {"role": "assistant", "content": f"{4 * i}"}]
+    return turns
+
+
+def _write_chat(path: Path, n: int, start: int = 0) -> Path:
+    path.write_text("".join(json.dumps({"messages": _conversation(i)}) + "\n" for i in range(start, start + n)))
+    return path
+
+
+def test_assistant_mask_by_hand():
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    tokens, mask = conversation_tokens(messages, BYTES, ChatTemplate(), "hand")
+    text = "<|user|>\nhi\n<|assistant|>\nhello\n"
+    assert tokens.tolist() == list(text.encode()) + [BYTES.eot_id]
+    start = len("<|user|>\nhi\n<|assistant|>\n")
+    assert np.flatnonzero(mask).tolist() == list(range(start, len(text) + 1))  # "hello\n" and the end-of-text
+
+
+def test_masked_tokens_contribute_zero_gradient(tmp_path):
+    loader = ChatLoader([_write_chat(tmp_path / "c.jsonl", 12)], BYTES, ChatTemplate(), seq_len=96,
+                        local_batch_size=2, dp_rank=0, dp_world_size=1, seed=0, shuffle=True)
+    batch = loader.next_batch()
+    logits = torch.randn(*batch.labels.shape, BYTES.vocab_size, dtype=torch.float64, requires_grad=True)
+    cross_entropy_loss(logits, batch.labels).backward()
+    per_token = logits.grad.abs().sum(-1)
+    ignored = batch.labels == IGNORE
+    assert ignored.any() and (~ignored).any()
+    assert torch.all(per_token[ignored] == 0) and torch.all(per_token[~ignored] > 0)
+
+
+def test_packed_conversations_equal_each_alone(tmp_path):
+    """Each conversation's logits in a packed window (document visibility, positions from 0) equal the
+    model's logits for that conversation alone, float64."""
+    loader = ChatLoader([_write_chat(tmp_path / "c.jsonl", 9)], BYTES, ChatTemplate(), seq_len=256,
+                        local_batch_size=2, dp_rank=0, dp_world_size=1, seed=0, shuffle=False)
+    torch.manual_seed(0)
+    model = Decoder(ModelArgs(vocab_size=BYTES.vocab_size, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                              ffn_hidden=64, max_seq_len=256)).double()
+    model.init_buffers(torch.device("cpu"))
+    batch = loader.next_batch()
+    packed = model(batch.inputs, visibility=batch.visibility, positions=batch.positions)
+    checked = 0
+    for row in range(batch.inputs.shape[0]):
+        ends = (batch.inputs[row] == BYTES.eot_id).nonzero().flatten().tolist()
+        start = 0
+        for end in ends:
+            if end > start:  # a conversation (padding is a run of single end-of-text tokens)
+                alone = model(batch.inputs[row:row + 1, start:end + 1])
+                torch.testing.assert_close(packed[row, start:end + 1], alone[0], atol=1e-10, rtol=1e-10)
+                checked += 1
+            start = end + 1
+    assert checked >= 4
+
+
+def test_malformed_line_is_one_error(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": _conversation(1)}) + "\n" + '{"messages": [{"role": "robot"}]}\n')
+    with pytest.raises(ConfigError, match=r"bad.jsonl:2: expected"):
+        ChatLoader([bad], BYTES, ChatTemplate(), seq_len=64, local_batch_size=1, dp_rank=0, dp_world_size=1,
+                   seed=0, shuffle=False)
+
+
+def test_sft_from_a_pretrained_dump(tmp_path):
+    """Pretrain 20 steps, then fine-tune on conversations from that dump folder: the fine-tuning loss (on
+    the assistant's tokens) starts from the pretrained model and falls; without initial weights the job
+    stops with one line."""
+    run_trainer(tmp_path / "pre", 0, "--training.steps", "20", "--checkpoint.enabled", "true")
+    chat = ["--data.dataset", "chat", "--data.train_path", str(_write_chat(tmp_path / "train.jsonl", 64)),
+            "--data.val_path", str(_write_chat(tmp_path / "val.jsonl", 8, start=100)), "--training.mode", "sft",
+            "--training.seq_len", "128", "--training.steps", "30", "--eval.steps", "2", "--eval.interval", "30"]
+    run_trainer(tmp_path / "sft", 0, *chat, "--checkpoint.initial_load_path", str(tmp_path / "pre"))
+    got = losses(tmp_path / "sft")
+    assert np.mean([got[s] for s in range(26, 31)]) < 0.7 * got[1], got
+    proc = run_trainer(tmp_path / "sft2", 0, *chat, check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0
+    assert "checkpoint.initial_load_path" in proc.stderr

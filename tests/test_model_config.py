@@ -1,0 +1,232 @@
+"""The model in TOML: every ModelArgs field is a [model] key (unset keeps the flavor's), new architectures need
+no code, every key round-trips through config.toml, bad values are one line naming the key; the parallel
+degrees' -1 ("the ranks left"); the shipped 600m job and the multi-node layouts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from trainer_utils import REPO
+
+from torchtitan_ext.config.job_config import JobConfig, ModelSection, ParallelismSection
+from torchtitan_ext.config.loader import ConfigError, help_text, parse_args, to_toml
+from torchtitan_ext.models.args import ModelArgs
+from torchtitan_ext.models.decoder import Decoder
+from torchtitan_ext.models.flavors import FLAVORS, model_overrides, resolve_model_args
+from torchtitan_ext.models.param_count import count_params
+from torchtitan_ext.parallel.dims import ParallelDims, ParallelDimsError
+
+MODEL_KEYS = [f.name for f in dataclasses.fields(ModelSection) if f.name != "flavor"]
+
+# A value for every [model] key that differs from both its "unset" default and the debug flavor's value.
+SET_VALUES = {
+    "vocab_size": 1024, "dim": 96, "n_layers": 6, "n_heads": 6, "n_kv_heads": 3, "head_dim": 24,
+    "ffn_hidden": 320, "activation": "relu2", "max_seq_len": 512, "rope_theta": 500000.0,
+    "rope_fraction": 0.25, "nope_every": 3, "qk_norm": False, "norm_eps": 1e-6, "tie_embeddings": True,
+    "logit_softcap": 30.0, "residual_scalars": True, "n_experts": 4, "top_k": 1, "moe_hidden": 64,
+    "moe_every": 2, "shared_expert": True, "renormalize_gates": False, "aux_loss_coef": 0.02,
+    "router_z_loss_coef": 0.0, "bias_update_rate": 0.001, "kv_share": "interleaved", "kv_share_group": 3,
+}
+
+
+def _toml(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return f'"{value}"' if isinstance(value, str) else repr(value)
+
+
+def _load(tmp_path, text: str, *args: str) -> JobConfig:
+    f = tmp_path / "job.toml"
+    f.write_text(text)
+    return parse_args(["--config", str(f), *args])
+
+
+def test_every_model_arg_is_a_key_with_help():
+    assert sorted(MODEL_KEYS) == sorted(f.name for f in dataclasses.fields(ModelArgs))
+    assert sorted(SET_VALUES) == sorted(MODEL_KEYS), "give every new [model] key a test value"
+    text = help_text()
+    for f in dataclasses.fields(ModelSection):
+        assert f.metadata["help"] and f"--model.{f.name} = " in text
+
+
+@pytest.mark.parametrize("flavor", sorted(FLAVORS))
+def test_unset_keys_keep_the_flavor(flavor):
+    """A [model] table with only the flavor resolves to the flavor itself (max_seq_len: training.seq_len,
+    no vocabulary: the tokenizer's, padded)."""
+    cfg = parse_args(["--model.flavor", flavor])
+    assert model_overrides(cfg.model) == {}
+    want = FLAVORS[flavor]
+    padded = 4032  # the tokenizer's 4000, padded to a multiple of 64
+    want = dataclasses.replace(want, max_seq_len=cfg.training.seq_len, vocab_size=want.vocab_size or padded)
+    assert resolve_model_args(cfg, 4000) == want
+
+
+def test_new_architecture_in_toml_only(tmp_path):
+    """A dense architecture no flavor has (attention wider than d_model, GQA, partial RoPE, tied head, soft-capped
+    logits, QK-norm turned off), then a MoDE one on the same base; both build and count as expected."""
+    cfg = _load(tmp_path, """
+[model]
+flavor = "debug"
+vocab_size = 512
+dim = 96
+n_layers = 3
+n_heads = 4
+n_kv_heads = 2
+head_dim = 32
+ffn_hidden = 256
+rope_theta = 500000.0
+rope_fraction = 0.75
+nope_every = 0
+qk_norm = false
+norm_eps = 1e-6
+tie_embeddings = true
+logit_softcap = 30.0
+[training]
+seq_len = 64
+""")
+    args = resolve_model_args(cfg, 300)
+    assert args == ModelArgs(vocab_size=512, dim=96, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=32,
+                             ffn_hidden=256, max_seq_len=64, rope_theta=500000.0, rope_fraction=0.75,
+                             nope_every=0, qk_norm=False, norm_eps=1e-6, tie_embeddings=True, logit_softcap=30.0)
+    per_layer = 96 * 128 * 2 + 96 * 64 * 2 + 2 * 96 + 3 * 96 * 256  # wq, wo; wk, wv; 2 norms; SwiGLU
+    expected = 512 * 96 + 3 * per_layer + 96  # tied embedding, final norm
+    with torch.device("meta"):
+        model = Decoder(args)
+    assert count_params(args)["total"] == expected == sum(p.numel() for p in model.parameters())
+    assert model.output is None
+
+    moe = parse_args(["--config", str(tmp_path / "job.toml"), "--model.n_experts", "4", "--model.top_k", "1",
+                      "--model.moe_hidden", "64", "--model.moe_every", "2", "--model.shared_expert", "true",
+                      "--model.renormalize_gates", "false", "--model.kv_share", "interleaved",
+                      "--model.kv_share_group", "3"])
+    margs = resolve_model_args(moe, 300)
+    assert margs == dataclasses.replace(args, n_experts=4, top_k=1, moe_hidden=64, moe_every=2, shared_expert=True,
+                                        renormalize_gates=False, kv_share="interleaved", kv_share_group=3)
+    with torch.device("meta"):
+        mmodel = Decoder(margs)
+    counts = count_params(margs)
+    assert counts["total"] == sum(p.numel() for p in mmodel.parameters())
+    # layer 1 is MoDE (4 experts + router + shared expert); layers 1 and 2 reuse layer 0's K and V
+    moe_layer = 96 * 128 * 2 + 2 * 96 + 96 * 4 + 5 * 3 * 96 * 64
+    dense_layer = 96 * 128 * 2 + 2 * 96 + 3 * 96 * 256
+    assert counts["total"] == 512 * 96 + 96 + 96 * 64 * 2 + 2 * dense_layer + moe_layer
+
+
+def test_every_model_key_round_trips_through_config_toml(tmp_path):
+    """Set every [model] key in a TOML file; the resolved config written as config.toml loads back to the
+    same values, and to the same model."""
+    text = '[model]\nflavor = "debug"\n' + "".join(f"{k} = {_toml(v)}\n" for k, v in SET_VALUES.items())
+    cfg = _load(tmp_path, text + "[training]\nseq_len = 128\n")
+    assert {k: getattr(cfg.model, k) for k in MODEL_KEYS} == SET_VALUES
+    assert model_overrides(cfg.model) == SET_VALUES
+    again = _load(tmp_path, to_toml(cfg))
+    assert dataclasses.asdict(again) == dataclasses.asdict(cfg)
+    assert resolve_model_args(again, 0) == resolve_model_args(cfg, 0) == dataclasses.replace(
+        FLAVORS["debug"], **SET_VALUES)
+    # Unset keys round-trip too (tri-state switches are written as ""), and the command line sets each one.
+    plain = parse_args([])
+    assert dataclasses.asdict(_load(tmp_path, to_toml(plain))) == dataclasses.asdict(plain)
+    cli = parse_args([a for k, v in SET_VALUES.items() for a in (f"--model.{k}", _toml(v).strip('"').lower())])
+    assert dataclasses.asdict(cli.model) == dataclasses.asdict(cfg.model)
+
+
+def test_tri_state_switches(tmp_path):
+    """true / false override the flavor's either way; "" (the default) keeps it."""
+    assert FLAVORS["debug"].qk_norm and FLAVORS["debug"].renormalize_gates
+    cfg = _load(tmp_path, '[model]\nqk_norm = false\nrenormalize_gates = ""\ntie_embeddings = true\n')
+    assert (cfg.model.qk_norm, cfg.model.renormalize_gates, cfg.model.tie_embeddings) == (False, None, True)
+    args = resolve_model_args(cfg, 300)
+    assert (args.qk_norm, args.renormalize_gates, args.tie_embeddings) == (False, True, True)
+    cli = parse_args(["--model.qk_norm", "0", "--model.shared_expert", "TRUE", "--model.tie_embeddings", ""])
+    assert (cli.model.qk_norm, cli.model.shared_expert, cli.model.tie_embeddings) == (False, True, None)
+    assert 'qk_norm = false' in to_toml(cli) and 'tie_embeddings = ""' in to_toml(cli)
+
+
+@pytest.mark.parametrize("content, message", [
+    ('[model]\nqk_norm = "maybe"\n', "model.qk_norm: expected true, false or \"\" (unset), got 'maybe'"),
+    ("[model]\ntie_embeddings = 1\n", "model.tie_embeddings: expected true, false"),
+    ("[model]\nrope_fraction = 1.5\n", "model.rope_fraction: 1.5 is above the maximum 1.0"),
+    ("[model]\nnope_every = -2\n", "model.nope_every: -2 is below the minimum -1"),
+    ("[model]\nhead_dim = -8\n", "model.head_dim: -8 is below the minimum 0"),
+    ("[model]\nrope_theta = -1.0\n", "model.rope_theta: -1.0 is below the minimum 0.0"),
+    ('[model]\nkv_share = "all"\n', "model.kv_share: 'all' is not one of"),
+    ("[model]\nlogit_softcap = nan\n", "model.logit_softcap: expected a finite float"),
+])
+def test_bad_model_value_is_one_line_naming_the_key(tmp_path, content, message):
+    with pytest.raises(ConfigError) as e:
+        _load(tmp_path, content)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model.rope_fraction", "-0.5"], "model.rope_fraction = -0.5: expected within [0, 1]"),
+    (["--model.kv_share_group", "0"], "model.kv_share_group = 0: expected >= 1"),
+    (["--model.logit_softcap", "-0.5"], "model.logit_softcap = -0.5: expected >= 0"),
+    (["--model.n_heads", "3"], "model.dim = 256 is not divisible by n_heads = 3"),
+    (["--model.n_experts", "2", "--model.top_k", "3"], "model.top_k = 3: expected between 1 and n_experts = 2"),
+])
+def test_inconsistent_model_is_one_line_naming_the_key(args, message):
+    """Values the loader passes but the resolved model refuses (ModelArgs.validate)."""
+    with pytest.raises(ConfigError) as e:
+        resolve_model_args(parse_args(args), 300)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+# Parallel degrees: -1 takes the ranks left after the others.
+
+def _dims(world: int, **degrees) -> ParallelDims:
+    return ParallelDims.from_config(ParallelismSection(**degrees), world)
+
+
+def test_dp_shard_minus_one_takes_the_rest():
+    assert _dims(8).dp_shard == 8
+    d = _dims(64, tp=4, pp=2)
+    assert (d.dp_shard, d.tp, d.pp, d.dp) == (8, 4, 2, 8)
+    d = _dims(16, dp_replicate=2, tp=2)
+    assert (d.dp_replicate, d.dp_shard) == (2, 4)
+    d = _dims(32, dp_replicate=-1, dp_shard=4, tp=2)  # one replica per node of 8
+    assert (d.dp_replicate, d.dp_shard, d.tp, d.dp) == (4, 4, 2, 16)
+    assert _dims(8, dp_replicate=-1, dp_shard=4, tp=2).dp_replicate == 1
+
+
+@pytest.mark.parametrize("world, degrees, message", [
+    (6, {"tp": 4}, "parallelism: dp_replicate(1) x tp(4) x pp(1) = 4, but the world size is 6"),
+    (12, {"dp_replicate": -1, "dp_shard": 4, "tp": 2}, "dp_shard(4) x tp(2) x pp(1) = 8, but the world size is 12"),
+    (8, {"dp_replicate": -1, "dp_shard": -1}, "dp_replicate and dp_shard are both -1"),
+    (8, {"dp_replicate": 0}, "parallelism.dp_replicate = 0: expected >= 1, or -1"),
+    (8, {"dp_shard": 4}, "= 4, but the world size is 8; set dp_shard = -1"),
+])
+def test_bad_degrees_are_one_line(world, degrees, message):
+    with pytest.raises(ParallelDimsError) as e:
+        _dims(world, **degrees)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+# Shipped jobs.
+
+def test_600m_job_parses_and_resolves():
+    cfg = parse_args(["--config", str(REPO / "train_configs/600m.toml")])
+    args = resolve_model_args(cfg, 4096)  # the builtin tokenizer's vocabulary
+    assert args == FLAVORS["600m"]
+    assert 0.55e9 < count_params(args)["total"] < 0.65e9
+    for world in (1, 8, 16):
+        dims = ParallelDims.from_config(cfg.parallelism, world)
+        assert dims.dp_shard == world and cfg.training.global_batch_size % (cfg.training.local_batch_size * world) == 0
+
+
+def test_7b_job_runs_on_any_node_count_of_8_gpus():
+    cfg = parse_args(["--config", str(REPO / "train_configs/7b.toml")])
+    for nodes in (1, 2, 4, 8, 16):
+        dims = ParallelDims.from_config(cfg.parallelism, 8 * nodes)
+        assert (dims.dp_replicate, dims.dp_shard, dims.tp) == (nodes, 4, 2)
+        assert cfg.training.global_batch_size % (cfg.training.local_batch_size * dims.dp) == 0
+    assert resolve_model_args(cfg, 0).vocab_size >= 50257  # GPT-2-tokenized FineWeb shards
+
+
+@pytest.mark.parametrize("path", sorted(str(p) for p in (REPO / "train_configs").glob("*.toml")))
+def test_shipped_multi_gpu_jobs_take_the_rest(path):
+    """Every shipped layout leaves one data-parallel degree at -1, so it runs on any multiple of the others."""
+    p = parse_args(["--config", path]).parallelism
+    assert -1 in (p.dp_shard, p.dp_replicate), path

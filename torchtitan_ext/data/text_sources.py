@@ -1,0 +1,139 @@
+"""The documents ``data.prepare`` reads, by format (``--format``, else from the file name): plain text (one
+file, one document), JSONL (one line, one document: its ``text_key`` string; also ``.jsonl.gz`` and
+``.jsonl.zst``), parquet (streamed one record batch at a time, so memory stays constant whatever the file's
+size: the format FineWeb, DCLM and most Hub corpora ship in), and a Hugging Face ``datasets`` folder (saved
+with ``save_to_disk``, or data files ``load_dataset`` can read locally). A new format is a reader here and
+a line in ``READERS``."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from torchtitan_ext.errors import UserError
+
+PARQUET_BATCH_ROWS = 1024
+
+
+class InputError(UserError):
+    """An input file or record that cannot be read as documents; one line naming it."""
+
+
+def _needs(package: str, fmt: str):
+    try:
+        return __import__(package)
+    except ImportError:
+        raise InputError(f"--format {fmt} needs the {package} package: pip install 'torchtitan_ext[data]'") from None
+
+
+def _text_of(record, text_key: str, where: str) -> str:
+    if not isinstance(record, dict) or text_key not in record:
+        raise InputError(f"{where}: expected a JSON object with a {text_key!r} string")
+    text = record[text_key]
+    if not isinstance(text, str):
+        raise InputError(f"{where}: {text_key!r} is {type(text).__name__} {json.dumps(text)[:40]}, expected a string")
+    return text
+
+
+def read_text(path: Path, text_key: str) -> Iterator[str]:
+    try:
+        yield path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path}: undecodable UTF-8 at byte {e.start}") from None
+
+
+def _open_lines(path: Path) -> io.BufferedIOBase:
+    if path.name.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if path.name.endswith(".zst"):
+        zstandard = _needs("zstandard", "jsonl")
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
+    return open(path, "rb")
+
+
+def read_jsonl(path: Path, text_key: str) -> Iterator[str]:
+    try:
+        with _open_lines(path) as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line.decode("utf-8"))
+                except UnicodeDecodeError as e:
+                    raise InputError(f"{path}:{n}: undecodable UTF-8 at byte {e.start} of the line") from None
+                except json.JSONDecodeError:
+                    raise InputError(f"{path}:{n}: not a JSON object") from None
+                yield _text_of(record, text_key, f"{path}:{n}")
+    except (OSError, EOFError) as e:  # a truncated or corrupt .gz / .zst stream
+        raise InputError(f"{path}: cannot decompress ({type(e).__name__}: {e})") from None
+
+
+def read_parquet(path: Path, text_key: str) -> Iterator[str]:
+    _needs("pyarrow", "parquet")
+    import pyarrow.parquet as pq
+
+    try:
+        file = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises its own ArrowInvalid / OSError family for damaged files
+        raise InputError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from None
+    names = file.schema_arrow.names
+    if text_key not in names:
+        raise InputError(f"{path}: no column {text_key!r} (columns: {', '.join(names)}); set --text-key")
+    row = 0
+    for batch in file.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_key]):
+        for text in batch.column(0).to_pylist():
+            row += 1
+            if not isinstance(text, str):
+                raise InputError(f"{path}: row {row}: {text_key!r} is {type(text).__name__}, expected a string")
+            yield text
+
+
+def read_datasets(path: Path, text_key: str) -> Iterator[str]:
+    datasets = _needs("datasets", "datasets")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # a local folder: never the network
+    try:
+        if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
+            data = datasets.load_from_disk(str(path))
+        else:
+            data = datasets.load_dataset(str(path), split="train")
+    except Exception as e:  # datasets raises many families (FileNotFoundError, DatasetNotFoundError, ...)
+        raise InputError(f"{path}: not a datasets folder ({type(e).__name__}: {str(e)[:200]})") from None
+    if isinstance(data, datasets.DatasetDict):
+        if "train" not in data:
+            raise InputError(f"{path}: a DatasetDict without a 'train' split (splits: {', '.join(data)})")
+        data = data["train"]
+    if text_key not in data.column_names:
+        raise InputError(f"{path}: no column {text_key!r} (columns: {', '.join(data.column_names)}); set --text-key")
+    for row, record in enumerate(data.select_columns([text_key]), 1):
+        yield _text_of(record, text_key, f"{path}: row {row}")
+
+
+READERS: dict[str, Callable[[Path, str], Iterator[str]]] = {
+    "text": read_text,
+    "jsonl": read_jsonl,
+    "parquet": read_parquet,
+    "datasets": read_datasets,
+}
+
+
+def detect_format(path: Path) -> str:
+    """The reader for ``path`` by its name: a folder is a datasets folder."""
+    name = path.name.lower()
+    if path.is_dir():
+        return "datasets"
+    if name.endswith((".jsonl", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".json.zst")):
+        return "jsonl"
+    if name.endswith(".parquet"):
+        return "parquet"
+    return "text"
+
+
+def read_documents(path: Path, text_key: str, fmt: str = "auto") -> Iterator[str]:
+    """Every document of one input, in order."""
+    if fmt != "auto" and fmt not in READERS:
+        raise InputError(f"--format {fmt}: expected auto or one of {', '.join(READERS)}")
+    yield from READERS[detect_format(path) if fmt == "auto" else fmt](path, text_key)
