@@ -20,7 +20,6 @@ each removed.
 from __future__ import annotations
 
 import glob
-import json
 import logging
 import multiprocessing as mp
 import os
@@ -36,16 +35,12 @@ import numpy as np
 
 from torchtitan_ext.data.filters import HeuristicRules, NearDuplicates, heuristic_reason, minhash_signature
 from torchtitan_ext.data.shards import write_shard
+from torchtitan_ext.data.text_sources import InputError, read_documents
 from torchtitan_ext.data.tokenizers import open_tokenizer
-from torchtitan_ext.errors import UserError
 
 FILTERS = ("heuristics", "minhash", "ppl")
 STATE = "prepare_state.pkl"
 logger = logging.getLogger(__name__)
-
-
-class InputError(UserError):
-    """A bad input file or record; the message names it."""
 
 
 class Progress:
@@ -82,37 +77,20 @@ class Hooks:
     ppl_scorer: Callable[[list[str]], np.ndarray] | None = None
 
 
-def documents(files: list[Path], text_key: str, warn: Callable[[str], None] = logger.warning
+def documents(files: list[Path], text_key: str, fmt: str = "auto", warn: Callable[[str], None] = logger.warning
               ) -> Iterator[str]:
-    """Every document of ``files`` in order; InputError naming file and record for non-text values or
-    undecodable bytes; an empty file is skipped with one warning line."""
+    """Every document of ``files`` in order (``data/text_sources.py`` reads each format); an empty file is
+    skipped with one warning line."""
     for path in files:
-        raw = path.read_bytes()
-        if not raw.strip():
+        if path.is_file() and path.stat().st_size == 0:
             warn(f"warning: {path}: empty file, skipped")
             continue
-        if path.suffix != ".jsonl":
-            try:
-                yield raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise InputError(f"{path}: undecodable UTF-8 at byte {e.start}") from None
-            continue
-        for n, line in enumerate(raw.split(b"\n"), 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line.decode("utf-8"))
-            except UnicodeDecodeError as e:
-                raise InputError(f"{path}:{n}: undecodable UTF-8 at byte {e.start} of the line") from None
-            except json.JSONDecodeError:
-                raise InputError(f"{path}:{n}: not a JSON object") from None
-            if not isinstance(record, dict) or text_key not in record:
-                raise InputError(f"{path}:{n}: expected a JSON object with a {text_key!r} string")
-            text = record[text_key]
-            if not isinstance(text, str):
-                raise InputError(f"{path}:{n}: {text_key!r} is {type(text).__name__} {json.dumps(text)[:40]}, "
-                                 "expected a string")
-            yield text
+        yield from read_documents(path, text_key, fmt)
+
+
+def input_bytes(path: Path) -> int:
+    """The bytes of an input file, or of every file in an input folder (a datasets folder)."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else path.stat().st_size
 
 
 class ShardWriter:
@@ -187,7 +165,7 @@ def _pipeline(files, args, pool, skip: int, dedup: NearDuplicates | None, remove
               warn: Callable[[str], None]) -> Iterator[tuple[int, str, np.ndarray]]:
     """(record number, text, tokens) of every document after ``skip`` records that passes the heuristics
     and the duplicate filter, in input order; ``removed`` counts the rest."""
-    docs = documents(files, args.text_key, warn if skip == 0 else (lambda m: None))
+    docs = documents(files, args.text_key, args.format, warn if skip == 0 else (lambda m: None))
     for _ in range(skip):
         next(docs, None)
     record = skip
@@ -264,7 +242,7 @@ def prepare(opts, hooks: Hooks | None = None) -> dict | None:
         if "heuristics" in filters else None
     out = Path(opts.output)
     out.mkdir(parents=True, exist_ok=True)
-    total_bytes = sum(f.stat().st_size for f in files)
+    total_bytes = sum(input_bytes(f) for f in files)
     ctx = mp.get_context("spawn" if sys.platform == "darwin" else "fork")
     init = (tok_spec, rules, "minhash" in filters)
     pool = ctx.Pool(opts.workers, _init_worker, init) if opts.workers > 1 else None

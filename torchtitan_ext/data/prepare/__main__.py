@@ -7,6 +7,7 @@ import argparse
 import glob
 import json
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -37,30 +38,59 @@ def _stderr(line: str) -> None:
 
 
 class _ConsoleProgress:
-    """Documents, tokens, MB/s and ETA on one refreshed stderr line."""
+    """A tqdm bar of input bytes on a terminal; in a log file, a plain line every ``LOG_SECONDS`` and at the
+    end (documents, tokens, MB/s of text, percent, ETA)."""
+
+    LOG_SECONDS = 10.0
 
     def __init__(self) -> None:
-        self.open_line = False  # a progress line waits for its newline
+        self.bar = None
+        self.logged = 0.0
 
     def __call__(self, p: Progress, final: bool) -> None:
         mb = p.mb_per_s
-        eta = (p.total - p.bytes) / (mb * 1e6) if mb > 0 else 0.0
-        print(f"\r{p.label}: {p.docs:,} docs  {p.tokens:,} tokens  {mb:.2f} MB/s  "
-              f"{100 * min(1.0, p.bytes / max(p.total, 1)):5.1f}%  ETA {max(eta, 0):.0f}s   ",
-              end="\n" if final else "", file=sys.stderr, flush=True)
-        self.open_line = not final
+        eta = max((p.total - p.bytes) / (mb * 1e6), 0.0) if mb > 0 else 0.0
+        stats = f"{p.docs:,} docs  {p.tokens:,} tokens  {mb:.2f} MB/s"
+        if sys.stderr.isatty() and self._tqdm() is not None:
+            if self.bar is None:
+                self.bar = self._tqdm()(total=p.total, desc=p.label, unit="B", unit_scale=True, file=sys.stderr)
+            self.bar.update(min(p.bytes, p.total) - self.bar.n)
+            self.bar.set_postfix_str(f"{stats}  ETA {eta:.0f}s", refresh=False)
+            if final:
+                self.close()
+        elif final or time.monotonic() - self.logged >= self.LOG_SECONDS:
+            self.logged = time.monotonic()
+            print(f"{p.label}: {stats}  {100 * min(1.0, p.bytes / max(p.total, 1)):5.1f}%  ETA {eta:.0f}s",
+                  file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        """End an open bar (a finished pass, or an error line about to follow)."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    @staticmethod
+    def _tqdm():
+        try:
+            from tqdm import tqdm
+        except ImportError:  # the data extra is not installed: plain lines
+            return None
+        return tqdm
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m torchtitan_ext.data.prepare", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", required=True, nargs="+", help="files or globs (.txt, .jsonl, other text)")
+    p.add_argument("--input", required=True, nargs="+", help="files, folders or globs: text, .jsonl[.gz|.zst], "
+                   ".parquet, a datasets folder")
+    p.add_argument("--format", default="auto", choices=("auto", "text", "jsonl", "parquet", "datasets"),
+                   help="auto: from each input's name (a folder is a datasets folder)")
     p.add_argument("--output-dir", "--output", dest="output", required=True, help="folder for the shards")
     p.add_argument("--tokenizer", default="byte", help="byte, builtin, a Hugging Face tokenizer.json (or its "
                    "folder), a .tiktoken file[:encoding], or a SentencePiece .model")
     p.add_argument("--tokenizer-vocab-size", type=int, default=4096, help="for --tokenizer builtin")
     p.add_argument("--cache-dir", default="~/.cache/torchtitan_ext")
-    p.add_argument("--text-key", default="text", help="JSONL field holding the document")
+    p.add_argument("--text-key", default="text", help="JSONL field / parquet or datasets column holding the text")
     p.add_argument("--shard-tokens", type=int, default=100_000_000)
     p.add_argument("--val-shards", type=int, default=0)
     p.add_argument("--workers", type=int, default=1, help="tokenizing processes")
@@ -91,8 +121,7 @@ def _prepare(argv: list[str]) -> int:
     try:
         report = prepare(args, hooks)
     except ValueError as e:
-        if show.open_line:
-            print(file=sys.stderr)
+        show.close()
         raise cli.user_error(e) from None
     if report is not None:
         _stderr(json.dumps(report))
