@@ -104,3 +104,29 @@ def test_sft_from_a_pretrained_dump(tmp_path):
     proc = run_trainer(tmp_path / "sft2", 0, *chat, check=False)
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0
     assert "checkpoint.initial_load_path" in proc.stderr
+
+
+def test_tokenizer_chat_template_from_tokenizer_config(tmp_path):
+    """A Hugging Face tokenizer's own chat template (tokenizer_config.json) renders the conversation, and the
+    mask covers exactly the tokens of the assistant's reply and what the template puts after it."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["hello there, how are you? fine thanks"] * 20, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>",
+                                                                "chat_template": template}))
+    hf = build_tokenizer(DataSection(tokenizer=str(tmp_path)))
+    assert hf.chat_template == template
+    messages = [{"role": "user", "content": "how are you?"}, {"role": "assistant", "content": "fine thanks"}]
+    tokens, mask = conversation_tokens(messages, hf, ChatTemplate(hf.chat_template), "hf")
+    reply = tok.encode("fine thanks<|im_end|>\n", add_special_tokens=False).ids
+    assert tokens[mask].tolist() == reply + [hf.eot_id]
+    assert hf.decode(tokens[:-1].tolist()).startswith("<|im_start|>user\nhow are you?<|im_end|>")

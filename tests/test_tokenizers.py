@@ -212,8 +212,8 @@ def test_missing_library_names_the_extra(tmp_path, library):
 
 
 def test_shard_run_keeps_its_tokenizer(tmp_path):
-    """A shard job trained with a tokenizer.json: the tokenizer is saved in the dump folder, eval and generate
-    work after the source file is gone, and a resume with another tokenizer stops in one line."""
+    """A shard job trained with a tokenizer.json: the tokenizer is saved in the dump folder, eval, generate
+    and export work after the source file is gone, and a resume with another tokenizer stops in one line."""
     src = make_hf(tmp_path / "hf")
     shards = tmp_path / "shards"
     res = _cli("torchtitan_ext.data.prepare", "--input", str(_docs(tmp_path)), "--output-dir", str(shards),
@@ -222,8 +222,9 @@ def test_shard_run_keeps_its_tokenizer(tmp_path):
     dump = tmp_path / "dump"
     data = ["--data.dataset", "shards", "--data.train_path", str(shards / "train_*.bin"),
             "--data.val_path", str(shards / "val_*.bin"), "--data.tokenizer", str(src)]
+    exportable = ["--model.rope_fraction", "1", "--model.nope_every", "0"]  # a Qwen3 model: transformers has it
     run_trainer(dump, 0, *data, "--training.steps", "2", "--checkpoint.enabled", "true",
-                "--checkpoint.interval", "2")
+                "--checkpoint.interval", "2", *exportable)
     meta = json.loads((dump / "tokenizer" / META).read_text())
     assert meta["kind"] == "hf" and meta["vocab_size"] == 300 and (meta["eot_id"], meta["bos_id"], meta["pad_id"]) \
         == (0, 1, 2) and meta["spec"] == str(src)
@@ -236,6 +237,9 @@ def test_shard_run_keeps_its_tokenizer(tmp_path):
                "5", "--json")
     assert gen.returncode == 0, gen.stderr
     assert len(json.loads(gen.stdout)["completions"]) == 1
+    exported = _cli("torchtitan_ext.export", "--checkpoint", str(dump), "--output", str(tmp_path / "exported"))
+    assert exported.returncode == 0, exported.stderr
+    assert (tmp_path / "exported" / "config.json").is_file()
     # a resume with another tokenizer: one line, exit code 2, before any work
     bad = run_trainer(dump, 0, *data, "--data.tokenizer", "byte", "--training.steps", "4", "--checkpoint.enabled",
                       "true", "--checkpoint.interval", "2", check=False)
