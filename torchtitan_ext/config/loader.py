@@ -36,6 +36,17 @@ def _fields(obj: Any) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(obj)}
 
 
+def _as_bool(value: Any, from_cli: bool) -> bool:
+    """A TOML boolean, or true / false / 1 / 0 from the command line; TypeError otherwise."""
+    if from_cli and isinstance(value, str):
+        if value.lower() not in ("true", "false", "1", "0"):
+            raise TypeError
+        return value.lower() in ("true", "1")
+    if not isinstance(value, bool):
+        raise TypeError
+    return value
+
+
 def _coerce(value: Any, f: dataclasses.Field, where: str, from_cli: bool) -> Any:
     """Convert ``value`` to the field's type (strings come from the command line) and check its rules."""
     kind = f.type if isinstance(f.type, str) else f.type.__name__
@@ -43,19 +54,9 @@ def _coerce(value: Any, f: dataclasses.Field, where: str, from_cli: bool) -> Any
         if kind == "bool | None":  # tri-state: "" (None, e.g. "the flavor's"), true or false
             if value == "" or value is None:
                 return None
-            if from_cli and isinstance(value, str):
-                if value.lower() not in ("true", "false", "1", "0"):
-                    raise TypeError
-                value = value.lower() in ("true", "1")
-            elif not isinstance(value, bool):
-                raise TypeError
+            value = _as_bool(value, from_cli)
         elif kind == "bool":
-            if from_cli and isinstance(value, str):
-                if value.lower() not in ("true", "false", "1", "0"):
-                    raise TypeError
-                value = value.lower() in ("true", "1")
-            elif not isinstance(value, bool):
-                raise TypeError
+            value = _as_bool(value, from_cli)
         elif kind == "int":
             if from_cli and isinstance(value, str):
                 value = int(value)
