@@ -3,7 +3,6 @@ itself is built by ``torchtitan_ext.data.domains_corpus.build``)."""
 
 from __future__ import annotations
 
-import argparse
 import functools
 import sys
 from pathlib import Path
@@ -14,8 +13,7 @@ from torchtitan_ext.data.domains_corpus import build
 
 
 def _main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m torchtitan_ext.data.domains_corpus", description=DESCRIPTION,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.ArgumentParser(prog="python -m torchtitan_ext.data.domains_corpus", description=DESCRIPTION)
     p.add_argument("--output", default="~/.cache/torchtitan_ext/domains")
     p.add_argument("--tokenizer", default="byte", help="byte, builtin, or a SentencePiece .model path")
     p.add_argument("--tokenizer-vocab-size", type=int, default=4096)

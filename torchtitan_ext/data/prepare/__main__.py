@@ -79,8 +79,7 @@ class _ConsoleProgress:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m torchtitan_ext.data.prepare", description=DESCRIPTION,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.ArgumentParser(prog="python -m torchtitan_ext.data.prepare", description=DESCRIPTION)
     p.add_argument("--input", required=True, nargs="+", help="files, folders or globs: text, .jsonl[.gz|.zst], "
                    ".parquet, a datasets folder")
     p.add_argument("--format", default="auto", choices=("auto", "text", "jsonl", "parquet", "datasets"),
@@ -146,8 +145,8 @@ def _trees(args: argparse.Namespace) -> int:
 
 
 def _trees_cli(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m torchtitan_ext.data.prepare --trees",
-                                 description="JSONL conversation trees -> token shards with node sidecars")
+    ap = cli.ArgumentParser(prog="python -m torchtitan_ext.data.prepare --trees",
+                            description="JSONL conversation trees -> token shards with node sidecars")
     ap.add_argument("--input", nargs="+", required=True, help="JSONL files or globs, one tree per line")
     ap.add_argument("--output-dir", dest="output", metavar="OUTPUT_DIR", required=True)
     ap.add_argument("--tokenizer", default="byte", help="byte, builtin, a tokenizer.json (or its folder), a "
