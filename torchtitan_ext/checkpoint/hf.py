@@ -121,7 +121,15 @@ def load_hf(path: str | Path) -> Decoder:
     p = Path(path)
     if not (p / "config.json").is_file() or not (p / "model.safetensors").is_file():
         raise ExportError(f"{p}: expected config.json and model.safetensors")
-    c = json.loads((p / "config.json").read_text())
+    try:
+        c = json.loads((p / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ExportError(f"{p}/config.json: not a JSON object ({e})") from None
+    required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                "max_position_embeddings", "rms_norm_eps")
+    missing_keys = [k for k in required if not isinstance(c, dict) or k not in c]
+    if missing_keys:
+        raise ExportError(f"{p}/config.json: no {missing_keys[0]!r} (expected a Llama / Qwen3 / SmolLM3 config)")
     rope = c.get("rope_parameters") or {}
     nope_every = int(c.get("no_rope_layer_interval", 0)) if c.get("model_type") == "smollm3" else 0
     args = ModelArgs(vocab_size=c["vocab_size"], dim=c["hidden_size"], n_layers=c["num_hidden_layers"],
@@ -136,7 +144,10 @@ def load_hf(path: str | Path) -> Decoder:
         model = Decoder(args)
     model.to_empty(device="cpu")
     model.init_buffers(torch.device("cpu"))
-    theirs = load_file(str(p / "model.safetensors"))
+    try:
+        theirs = load_file(str(p / "model.safetensors"))
+    except Exception as e:  # safetensors raises its own SafetensorError for a damaged header or body
+        raise ExportError(f"{p}/model.safetensors: cannot read it ({type(e).__name__}: {e})") from None
     names = {hf_name(k): k for k in model.state_dict()}
     missing = sorted(set(names) - set(theirs))
     if missing:
