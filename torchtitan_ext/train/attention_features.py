@@ -36,8 +36,7 @@ def pipeline_mask_args(inputs: torch.Tensor, model_kwargs: dict) -> tuple[torch.
 
 
 class AttentionFeatures:
-    def __init__(self, cfg, dims, parts: list[nn.Module], n_layers: int, eot_id: int | None,
-                 *, documents: Documents | None = None):
+    def __init__(self, cfg, dims, parts: list[nn.Module], n_layers: int, documents: Documents | None):
         """``documents``: the data layer's helper for data.attention = "document" (``DataBundle.documents``,
         already given to the loaders); batches without visibility get theirs from it."""
         t, d = cfg.training, cfg.data
@@ -52,10 +51,6 @@ class AttentionFeatures:
             p = cfg.parallelism
             check_kv_share_split(n_layers, dims.pp * p.pp_virtual_stages, p.pp_split_points, args.kv_share_group)
         self.documents = documents if d.attention == "document" else None
-        if d.attention == "document" and documents is None:
-            if eot_id is None:
-                raise ConfigError("data.attention = 'document' needs a tokenizer with an end-of-text token")
-            self.documents = Documents(eot_id, d.position_reset)
         self.attentions = {f"{name}": m for part in parts for name, m in part.named_modules()
                            if isinstance(m, Attention)}
         self.decoders = [m for part in parts for m in part.modules() if isinstance(m, Decoder)]

@@ -100,7 +100,7 @@ class Trainer:
         self.distill = Distillation(cfg, self.loader, self.model_args.vocab_size, self.pp_microbatches) \
             if cfg.distill.path else None
         self.attn = AttentionFeatures(cfg, self.dims, self.model_parts, self.model_args.n_layers,
-                                      getattr(self.tokenizer, "eot_id", None), documents=run.data.documents)
+                                      run.data.documents)
         self.pp_schedule = self._build_pipeline(run.model) if self.dims.pp > 1 else None
         self.preemption = Preemption(self.device)
         self.last_eval_step, self.step, self._loss_scales = -1, 0, (1.0, 1.0)
