@@ -14,7 +14,7 @@ from pathlib import Path
 # The package's layers, lowest first; a module may import from its own layer or any lower one.
 LAYERS = [
     ["errors", "config"],
-    ["ops", "models", "comm", "metrics", "checkpoint"],
+    ["ops", "models", "comm", "metrics", "hf", "checkpoint"],
     ["quant", "parallel", "data"],
     ["distill", "eval"],
     ["train"],

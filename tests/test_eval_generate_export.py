@@ -16,11 +16,12 @@ import torch
 import torch.nn.functional as F
 from trainer_utils import REPO, TEST_CACHE, read_metrics, run_trainer
 
-from torchtitan_ext.checkpoint.hf import ExportError, export, load_hf
 from torchtitan_ext.data.shards import read_shard
 from torchtitan_ext.eval.load import load_trained
 from torchtitan_ext.eval.sliding import sliding_sums, windows
 from torchtitan_ext.generate.decoding import KVCache, forward_cached, generate
+from torchtitan_ext.hf.architectures import ExportError
+from torchtitan_ext.hf.load import export, load_hf
 from torchtitan_ext.models.args import ModelArgs
 from torchtitan_ext.models.decoder import Decoder
 from torchtitan_ext.models.flavors import get_flavor

@@ -11,9 +11,9 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from torchtitan_ext.checkpoint.hf import load_hf_weights
 from torchtitan_ext.checkpoint.manager import ModelParts, complete_steps, unreadable_reason
 from torchtitan_ext.config.loader import ConfigError
+from torchtitan_ext.hf.load import load_hf_weights
 from torchtitan_ext.models.args import ModelArgs
 
 

@@ -1,11 +1,12 @@
-"""Hugging Face export (``python -m torchtitan_ext.export``); the conversion is ``checkpoint/hf.py``."""
+"""Hugging Face export (``python -m torchtitan_ext.export``); the conversion is ``hf/``."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from torchtitan_ext.checkpoint.hf import export, hf_config, load_hf  # noqa: F401  (README: export.load_hf)
 from torchtitan_ext.eval.load import load_trained
+from torchtitan_ext.hf.architectures import hf_config
+from torchtitan_ext.hf.load import export, load_hf  # noqa: F401  (README: export.load_hf)
 
 
 def export_checkpoint(checkpoint: str | Path, output: str | Path) -> tuple[Path, str, Path]:

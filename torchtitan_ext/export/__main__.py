@@ -2,7 +2,7 @@
 
     python -m torchtitan_ext.export --checkpoint outputs/debug --output hf/debug
 
-The architectures and the features refused are described in ``torchtitan_ext/checkpoint/hf.py``.
+The architectures and the features refused are described in ``torchtitan_ext/hf/architectures.py``.
 """
 
 from __future__ import annotations

@@ -1,26 +1,15 @@
-"""Hugging Face interchange: our checkpoints as safetensors + config.json, and back.
+"""Our ``ModelArgs`` <-> a transformers architecture: config.json and tensor names.
 
-    python -m torchtitan_ext.export --checkpoint outputs/debug --output hf/debug
-
-(the command line in ``torchtitan_ext/export/__main__.py``; ``export.export_checkpoint`` is what it runs).
-
-Architectures: the plain decoder is ``LlamaForCausalLM``; with QK-norm it is ``Qwen3ForCausalLM`` (RMSNorm
-over each head's dims before RoPE, as ours); with NoPE every Nth layer it is ``SmolLM3ForCausalLM``
-(``no_rope_layers``). Features no transformers architecture reproduces (partial RoPE, logit soft-cap,
-squared-ReLU FFNs, MoDE layers, shared K/V, residual scalars) are refused with one line naming the feature. The
-SentencePiece model (when the job used one) is copied as ``tokenizer.model``.
+The plain decoder is ``LlamaForCausalLM``; with QK-norm it is ``Qwen3ForCausalLM`` (RMSNorm over each head's
+dims before RoPE, as ours); with NoPE every Nth layer it is ``SmolLM3ForCausalLM`` (``no_rope_layers``).
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-import torch
+from dataclasses import dataclass
 
 from torchtitan_ext.config.loader import ConfigError
 from torchtitan_ext.models.args import ModelArgs
-from torchtitan_ext.models.decoder import Decoder
 
 # Our FQN pieces -> transformers' (Llama-family naming).
 _BLOCK = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
@@ -32,7 +21,18 @@ _BLOCK = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj"
 
 
 class ExportError(ConfigError):
-    """A model feature that no transformers architecture reproduces; the message is one line."""
+    """A model or folder that cannot be converted; the message is one line naming the feature or file."""
+
+
+@dataclass(frozen=True)
+class HFLayout:
+    """How one of our models is written as a transformers folder."""
+    architecture: str  # config.json's "architectures"[0]
+    native: bool  # a transformers class; False: our modeling file, loaded with trust_remote_code=True
+    config: dict  # config.json (the exporter adds torch_dtype and the tokenizer's ids)
+    # our state-dict key -> the transformers tensor name, or one name per expert when ours stacks the experts
+    # along dim 0 (ours[e] == theirs[names[e]])
+    names: dict[str, tuple[str, ...]]
 
 
 def architecture(a: ModelArgs) -> str:
@@ -89,47 +89,30 @@ def hf_name(name: str) -> str:
             "output.weight": "lm_head.weight"}[name]
 
 
-def to_hf_state(model: Decoder) -> dict[str, torch.Tensor]:
-    return {hf_name(k): v.detach().float().contiguous().cpu() for k, v in model.state_dict().items()}
+def state_names(a: ModelArgs) -> list[str]:
+    """Our state-dict keys for ``a`` (built on the meta device: no memory)."""
+    import torch
+
+    from torchtitan_ext.models.decoder import Decoder
+
+    with torch.device("meta"):
+        return list(Decoder(a).state_dict())
 
 
-def export(model: Decoder, output: str | Path, tokenizer=None) -> Path:
-    """Write ``model.safetensors`` and ``config.json`` (and the tokenizer) into ``output``."""
-    from safetensors.torch import save_file
-
-    cfg = hf_config(model.args)  # refuses first, before anything is written
-    if tokenizer is not None:
-        cfg["eos_token_id"] = int(tokenizer.eot_id)
-    out = Path(output)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(to_hf_state(model), str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    sp = getattr(tokenizer, "sp", None)
-    if sp is not None:
-        (out / "tokenizer.model").write_bytes(sp.serialized_model_proto())
-    if tokenizer is not None:
-        (out / "torchtitan_tokenizer.json").write_text(json.dumps(
-            {"kind": "sentencepiece" if sp is not None else tokenizer.name, "eot_id": int(tokenizer.eot_id)}))
-    return out
+def hf_layout(a: ModelArgs) -> HFLayout:
+    config = hf_config(a)
+    return HFLayout(config["architectures"][0], True, config, {k: (hf_name(k),) for k in state_names(a)})
 
 
-def load_hf(path: str | Path) -> Decoder:
-    """Our Decoder from a folder written by :func:`export` (or any Llama / Qwen3 / SmolLM3 folder of the same
-    layout with a single ``model.safetensors``)."""
-    from safetensors.torch import load_file
-
-    p = Path(path)
-    if not (p / "config.json").is_file() or not (p / "model.safetensors").is_file():
-        raise ExportError(f"{p}: expected config.json and model.safetensors")
-    try:
-        c = json.loads((p / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise ExportError(f"{p}/config.json: not a JSON object ({e})") from None
+def args_from_config(c: dict, where: str) -> ModelArgs:
+    """The ``ModelArgs`` of a transformers config.json (``where`` names the file in errors)."""
+    if not isinstance(c, dict):
+        raise ExportError(f"{where}: not a JSON object")
     required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                 "max_position_embeddings", "rms_norm_eps")
-    missing_keys = [k for k in required if not isinstance(c, dict) or k not in c]
+    missing_keys = [k for k in required if k not in c]
     if missing_keys:
-        raise ExportError(f"{p}/config.json: no {missing_keys[0]!r} (expected a Llama / Qwen3 / SmolLM3 config)")
+        raise ExportError(f"{where}: no {missing_keys[0]!r} (expected a Llama / Qwen3 / SmolLM3 config)")
     rope = c.get("rope_parameters") or {}
     nope_every = int(c.get("no_rope_layer_interval", 0)) if c.get("model_type") == "smollm3" else 0
     args = ModelArgs(vocab_size=c["vocab_size"], dim=c["hidden_size"], n_layers=c["num_hidden_layers"],
@@ -140,33 +123,4 @@ def load_hf(path: str | Path) -> Decoder:
                      nope_every=nope_every, qk_norm=c.get("model_type") == "qwen3",
                      norm_eps=c["rms_norm_eps"], tie_embeddings=bool(c.get("tie_word_embeddings", False)))
     hf_config(args)  # the same set of architectures as export
-    with torch.device("meta"):
-        model = Decoder(args)
-    model.to_empty(device="cpu")
-    model.init_buffers(torch.device("cpu"))
-    try:
-        theirs = load_file(str(p / "model.safetensors"))
-    except Exception as e:  # safetensors raises its own SafetensorError for a damaged header or body
-        raise ExportError(f"{p}/model.safetensors: cannot read it ({type(e).__name__}: {e})") from None
-    names = {hf_name(k): k for k in model.state_dict()}
-    missing = sorted(set(names) - set(theirs))
-    if missing:
-        raise ExportError(f"{p}/model.safetensors: missing {missing[0]} ({len(missing)} tensors missing)")
-    model.load_state_dict({ours: theirs[hf] for hf, ours in names.items()}, strict=True)
-    return model.eval()
-
-
-def load_hf_weights(parts: list[torch.nn.Module], path: str | Path, args: ModelArgs) -> None:
-    """Load an exported folder's weights into the (possibly sharded, possibly pipeline-split) model
-    ``parts`` of shape ``args``; ExportError (one line) when the folder's shape differs."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    theirs = load_hf(path)
-    mine, saved = hf_config(args), hf_config(theirs.args)
-    diff = [k for k in mine if k not in ("max_position_embeddings",) and mine[k] != saved.get(k)]
-    if diff:
-        raise ExportError(f"checkpoint.initial_load_path = {str(path)!r}: {diff[0]} is {saved.get(diff[0])!r}, "
-                          f"the job's model has {mine[diff[0]]!r}")
-    full = theirs.state_dict()
-    for part in parts:  # each part (pipeline stage) takes its own FQNs; FSDP shards are cut from the full tensors
-        set_model_state_dict(part, full, options=StateDictOptions(full_state_dict=True, strict=False))
+    return args
