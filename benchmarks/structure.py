@@ -18,7 +18,7 @@ LAYERS = [
     ["quant", "parallel", "data"],
     ["distill", "eval"],
     ["train"],
-    ["generate", "export", "plan", "cli"],
+    ["generate", "export", "plan", "cli", "mup", "scaling"],
 ]
 
 

@@ -20,8 +20,8 @@ from torchtitan_ext.data.shards import read_shard
 from torchtitan_ext.eval.load import load_trained
 from torchtitan_ext.eval.sliding import sliding_sums, windows
 from torchtitan_ext.generate.decoding import KVCache, forward_cached, generate
-from torchtitan_ext.hf.architectures import ExportError
-from torchtitan_ext.hf.load import export, load_hf
+from torchtitan_ext.hf.export import export_model
+from torchtitan_ext.hf.load import load_hf
 from torchtitan_ext.models.args import ModelArgs
 from torchtitan_ext.models.decoder import Decoder
 from torchtitan_ext.models.flavors import get_flavor
@@ -211,7 +211,7 @@ def test_compiled_generation_equals_eager():
 def test_export_logits_equal_transformers(tmp_path, features, arch):
     transformers = pytest.importorskip("transformers", reason="pip install -e .[dev] installs transformers")
     model = _random_model(**features)
-    export(model, tmp_path)
+    export_model(model, tmp_path, dtype=torch.float32)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     assert type(hf).__name__ == arch
     x = torch.randint(0, 97, (2, 48))
@@ -221,14 +221,19 @@ def test_export_logits_equal_transformers(tmp_path, features, arch):
         assert torch.equal(back(x), model(x))
 
 
-def test_export_refusals_and_initial_load_path(trained, tmp_path):
-    for flavor, word in [("debug", "partial RoPE"), ("mode_debug", "MoDE")]:
+def test_export_architectures_and_initial_load_path(trained, tmp_path):
+    """Nothing is refused: the debug flavor's features (partial RoPE, NoPE with QK-norm) are written as our
+    modeling file, mode_debug's MoDE as Mixtral; the CLI says which it wrote."""
+    for flavor, arch, native in [("debug", "TorchtitanExtForCausalLM", False),
+                                 ("mode_debug", "MixtralForCausalLM", True)]:
         args = dataclasses.replace(get_flavor(flavor), vocab_size=64, dim=64, n_heads=4, n_layers=2)
-        with pytest.raises(ExportError, match=word):
-            export(Decoder(args), tmp_path / flavor)
-        assert not (tmp_path / flavor).exists()
-    out = _cli("torchtitan_ext.export", "--checkpoint", str(trained), "--output", str(tmp_path / "hf"))
+        res = export_model(Decoder(args), tmp_path / flavor)
+        assert (res.architecture, res.native) == (arch, native)
+        assert any(p.suffix == ".py" for p in (tmp_path / flavor).iterdir()) == (not native)
+    out = _cli("torchtitan_ext.export", "--checkpoint", str(trained), "--output", str(tmp_path / "hf"),
+               "--dtype", "float32")  # the default, bfloat16, would round the weights
     assert out.returncode == 0, out.stderr
+    assert "as LlamaForCausalLM (native transformers class)" in out.stdout
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     # A new job starting from the exported weights with lr 0 validates exactly like the source job.
     start = tmp_path / "start"

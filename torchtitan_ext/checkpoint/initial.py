@@ -1,5 +1,6 @@
 """``checkpoint.initial_load_path``: the weights a job with no checkpoint of its own starts from (continued
-pretraining, fine-tuning): a Hugging Face folder (``config.json`` + safetensors), or one of our dump,
+pretraining, fine-tuning): a Hugging Face folder (``config.json`` + one safetensors file or an index and its
+shards, each rank reading only the slices it holds: ``hf/load.py``), or one of our dump,
 ``checkpoint/`` or ``step-N`` folders, whose model is read under this job's layout whatever layout saved it
 (DCP reshards). Optimizer, loader and step start fresh."""
 

@@ -47,6 +47,16 @@ class ModelSection:
                           choices=("", "swiglu", "relu2"))
     max_seq_len: int = opt(0, "0: training.seq_len; else the RoPE table length (>= training.seq_len)", min=0)
     rope_theta: float = opt(0.0, "0: the flavor's; else the RoPE base", min=0.0)
+    rope_scaling: str = opt("", "empty: the flavor's; llama3: Llama-3 RoPE frequency scaling (long contexts); none: "
+                            "plain RoPE", choices=("", "none", "llama3"))
+    rope_scaling_factor: float = opt(0.0, "0: the flavor's (8); llama3: the divisor of long-wavelength frequencies",
+                                     min=0.0)
+    rope_low_freq_factor: float = opt(0.0, "0: the flavor's (1); llama3: wavelengths longer than "
+                                      "rope_original_max_seq_len / this are divided by the factor", min=0.0)
+    rope_high_freq_factor: float = opt(0.0, "0: the flavor's (4); llama3: wavelengths shorter than "
+                                       "rope_original_max_seq_len / this are kept; between: interpolated", min=0.0)
+    rope_original_max_seq_len: int = opt(0, "0: the flavor's (8192); llama3: the context length the model was "
+                                         "pre-trained at", min=0)
     rope_fraction: float = opt(-1.0, "-1: the flavor's; else the fraction of each head's dims rotated by RoPE "
                                "(0: none, 1: all)", min=-1.0, max=1.0)
     nope_every: int = opt(-1, "-1: the flavor's; N > 0: every Nth layer has no positional encoding (RNoPE); "
@@ -75,6 +85,12 @@ class ModelSection:
                         "only the first computes K and V, the others reuse them; none: every layer computes its own",
                         choices=("", "none", "interleaved"))
     kv_share_group: int = opt(-1, "-1: the flavor's; else layers per KV-sharing group (>= 1)", min=-1)
+    parametrization: str = opt("", "empty: the flavor's; standard, or mup (Maximal Update Parametrization: "
+                               "init, lrs, attention 1 / head_dim and logits x mup_base_dim / dim scaled with "
+                               "width, so hyperparameters tuned at mup_base_dim carry over to other widths)",
+                               choices=("", "standard", "mup"))
+    mup_base_dim: int = opt(0, "0: the flavor's (its own, or dim: no width scaling); else the width (dim) the "
+                            "hyperparameters were tuned at; used by parametrization = mup only", min=0)
 
 
 @dataclass

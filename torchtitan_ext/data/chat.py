@@ -27,7 +27,8 @@ def _environment():
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
         raise ConfigError("chat data needs the jinja2 package: pip install 'torchtitan_ext[data]'") from None
-    return ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False)
+    # transformers' apply_chat_template renders with both on: a template must give the exported tokenizer's text
+    return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
 
 
 class ChatTemplate:

@@ -2,10 +2,10 @@
 line, ``__main__.py``, runs :func:`complete`).
 
 The cached forward walks the Decoder's own modules (embedding, each block's norms, projections, QK-norm,
-RoPE, FFN or MoDE, residual scalars, final norm, head, soft-cap; KV-sharing layers read their producer's
-cache), so it computes what ``Decoder.forward`` computes with causal attention, one position at a time.
-Prompts of different lengths are left-padded: each row has its own RoPE positions (counted from its first
-real token) and its padding is masked out of attention.
+RoPE, attention scale, FFN or MoDE, residual scalars, final norm, muP's output multiplier, head, soft-cap;
+KV-sharing layers read their producer's cache), so it computes what ``Decoder.forward`` computes with causal
+attention, one position at a time. Prompts of different lengths are left-padded: each row has its own RoPE
+positions (counted from its first real token) and its padding is masked out of attention.
 
 Decoding one token per row through every layer is hundreds of small kernels with little arithmetic each, so
 on a GPU it is bound by kernel launches, not by reading the weights. ``compile=True`` (the CLI's default on
@@ -105,7 +105,7 @@ def _attention(attn, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], m
         values.index_copy_(2, slots, attn.wv(x).view(b, t, -1, attn.head_dim).transpose(1, 2))
     # GQA without copying the cache: the `group` query heads of a KV head become group * t queries of it.
     q = q.transpose(1, 2).reshape(b, keys.shape[1], -1, attn.head_dim)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.softmax_scale)
     return attn.wo(out.reshape(b, -1, t, attn.head_dim).transpose(1, 2).reshape(b, t, -1))
 
 
@@ -130,11 +130,7 @@ def forward_cached(model: Decoder, tokens: torch.Tensor, cache: KVCache) -> torc
                                             slots))
         h = h + block._scaled(1, block.feed_forward(block.ffn_norm(h)))
     cache.pos += t
-    h = model.norm(h)
-    logits = model.output(h) if model.output is not None else F.linear(h, model.tok_embeddings.weight)
-    if model.args.logit_softcap > 0:
-        logits = model.args.logit_softcap * torch.tanh(logits / model.args.logit_softcap)
-    return logits
+    return model.head(model.head_input(h))
 
 
 def _decode_step(model: Decoder, cache: KVCache, tokens: torch.Tensor) -> torch.Tensor:

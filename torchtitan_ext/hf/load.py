@@ -1,81 +1,126 @@
-"""Hugging Face folder -> our Decoder (``load_hf``) or into a job's (sharded) model (``load_hf_weights``)."""
+"""Hugging Face folder -> our Decoder (``load_hf``) or into a job's (sharded) model (``load_hf_weights``).
+
+Both read one ``model.safetensors`` or an index and its shards (``safetensors_io.py``), through the layout's
+tensor names (``architectures.hf_layout``), tensor by tensor or slice by slice: no full copy of the model is
+ever built beside the one being filled.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from torchtitan_ext.hf.architectures import ExportError, args_from_config, hf_config, hf_name
+from torchtitan_ext.hf.architectures import ExportError, args_from_config, hf_layout
+from torchtitan_ext.hf.export import stacked
+from torchtitan_ext.hf.safetensors_io import SafetensorsReader
 from torchtitan_ext.models.args import ModelArgs
 from torchtitan_ext.models.decoder import Decoder
 
+log = logging.getLogger(__name__)
 
-def to_hf_state(model: Decoder) -> dict[str, torch.Tensor]:
-    return {hf_name(k): v.detach().float().contiguous().cpu() for k, v in model.state_dict().items()}
-
-
-def export(model: Decoder, output: str | Path, tokenizer=None) -> Path:
-    """Write ``model.safetensors`` and ``config.json`` (and the tokenizer) into ``output``."""
-    from safetensors.torch import save_file
-
-    cfg = hf_config(model.args)  # refuses first, before anything is written
-    if tokenizer is not None:
-        cfg["eos_token_id"] = int(tokenizer.eot_id)
-    out = Path(output)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(to_hf_state(model), str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    sp = getattr(tokenizer, "sp", None)
-    if sp is not None:
-        (out / "tokenizer.model").write_bytes(sp.serialized_model_proto())
-    if tokenizer is not None:
-        (out / "torchtitan_tokenizer.json").write_text(json.dumps(
-            {"kind": "sentencepiece" if sp is not None else tokenizer.name, "eot_id": int(tokenizer.eot_id)}))
-    return out
+# Wrappers whose names appear in a parallelized part's state-dict keys but not in the model's FQNs
+# (DDP, torch.compile per block, activation checkpointing, FSDP1).
+_WRAPPERS = {"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
+# config.json keys that may differ between a folder and the job that loads it: the RoPE table's length, the
+# dtype, the token ids, and MoDE's training-only coefficients.
+_FREE = {"max_position_embeddings", "torch_dtype", "dtype", "bos_token_id", "eos_token_id", "pad_token_id",
+         "aux_loss_coef", "router_z_loss_coef", "bias_update_rate"}
 
 
-def load_hf(path: str | Path) -> Decoder:
-    """Our Decoder from a folder written by :func:`export` (or any Llama / Qwen3 / SmolLM3 folder of the same
-    layout with a single ``model.safetensors``)."""
-    from safetensors.torch import load_file
-
-    p = Path(path)
-    if not (p / "config.json").is_file() or not (p / "model.safetensors").is_file():
-        raise ExportError(f"{p}: expected config.json and model.safetensors")
+def read_config(folder: Path) -> ModelArgs:
+    """The ``ModelArgs`` of a folder's config.json; ExportError naming the file."""
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ExportError(f"{folder}: no config.json (expected a Hugging Face model folder)")
     try:
-        c = json.loads((p / "config.json").read_text())
+        config = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise ExportError(f"{p}/config.json: not a JSON object ({e})") from None
-    args = args_from_config(c, f"{p}/config.json")
-    with torch.device("meta"):
-        model = Decoder(args)
-    model.to_empty(device="cpu")
-    model.init_buffers(torch.device("cpu"))
-    try:
-        theirs = load_file(str(p / "model.safetensors"))
-    except Exception as e:  # safetensors raises its own SafetensorError for a damaged header or body
-        raise ExportError(f"{p}/model.safetensors: cannot read it ({type(e).__name__}: {e})") from None
-    names = {hf_name(k): k for k in model.state_dict()}
-    missing = sorted(set(names) - set(theirs))
+        raise ExportError(f"{path}: not a JSON object ({e})") from None
+    return args_from_config(config, str(path))
+
+
+def _fqn(key: str) -> str:
+    return ".".join(p for p in key.split(".") if p not in _WRAPPERS)
+
+
+def _box(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """(this rank's tensor, its shape, its offset in the global tensor). A DTensor's local shard is the box
+    DCP also assumes for it (``compute_local_shape_and_global_offset``), including FSDP x TP's strided
+    sharding of one dimension (FSDP's share of a TP shard is a contiguous range of it)."""
+    if isinstance(t, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        return t.to_local(), tuple(shape), tuple(offset)
+    return t, tuple(t.shape), (0,) * t.ndim
+
+
+def _fill(parts: list[nn.Module], reader: SafetensorsReader, names: dict[str, tuple[str, ...]]) -> int:
+    """Copy each part's slices from the folder; returns how many tensors of the parts the folder did not
+    cover (left as they are)."""
+    targets = [(key, t) for part in parts for key, t in part.state_dict(keep_vars=True).items()
+               if names.get(_fqn(key))]
+    missing = sorted({n for key, _ in targets for n in names[_fqn(key)] if n not in reader.shapes})
     if missing:
-        raise ExportError(f"{p}/model.safetensors: missing {missing[0]} ({len(missing)} tensors missing)")
-    model.load_state_dict({ours: theirs[hf] for hf, ours in names.items()}, strict=True)
+        raise ExportError(f"{reader.folder}: no tensor {missing[0]} ({len(missing)} tensors missing)")
+    skipped = sum(1 for part in parts for key in part.state_dict() if not names.get(_fqn(key)))
+    with torch.no_grad():
+        for key, t in targets:
+            fqn = _fqn(key)
+            hf = names[fqn]
+            want = tuple(t.shape[1:]) if stacked(hf) else tuple(t.shape)
+            wrong = next((n for n in hf if reader.shapes[n] != want), None)
+            if wrong is not None:
+                raise ExportError(f"{reader.folder}: {wrong} has shape {list(reader.shapes[wrong])}, the model "
+                                  f"expects {list(want)} ({fqn}{' per expert' if stacked(hf) else ''})")
+            local, shape, offset = _box(t)
+            if local.numel() == 0:
+                continue
+            box = tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
+            if stacked(hf):  # the local experts, each its slice of the rest
+                for i, e in enumerate(range(box[0].start, box[0].stop)):
+                    local[i].copy_(reader.read(hf[e], box[1:]))
+            else:
+                local.copy_(reader.read(hf[0], box))
+    return skipped
+
+
+def load_hf(path: str | Path, dtype: torch.dtype | None = None) -> Decoder:
+    """Our Decoder (CPU, eval mode) from a Hugging Face folder of one of the architectures of
+    ``architectures.py`` (one file or sharded), in the dtype its tensors are stored in unless ``dtype``."""
+    folder = Path(path).expanduser()
+    args = read_config(folder)
+    with SafetensorsReader(folder) as reader:
+        dtype = dtype or reader.stored_dtype()
+        with torch.device("meta"):
+            model = Decoder(args).to(dtype)
+        model.to_empty(device="cpu")
+        model.init_buffers(torch.device("cpu"))
+        model.to(dtype)  # the RoPE tables, made in float32
+        _fill([model], reader, hf_layout(args).names)
     return model.eval()
 
 
-def load_hf_weights(parts: list[torch.nn.Module], path: str | Path, args: ModelArgs) -> None:
-    """Load an exported folder's weights into the (possibly sharded, possibly pipeline-split) model
-    ``parts`` of shape ``args``; ExportError (one line) when the folder's shape differs."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    theirs = load_hf(path)
-    mine, saved = hf_config(args), hf_config(theirs.args)
-    diff = [k for k in mine if k not in ("max_position_embeddings",) and mine[k] != saved.get(k)]
+def load_hf_weights(parts: list[nn.Module], path: str | Path, args: ModelArgs) -> int:
+    """Load a Hugging Face folder into the model ``parts`` of shape ``args`` (this rank's: FSDP / TP / EP
+    DTensors, pipeline stages), each rank reading only the slices it holds: the bytes it read are returned.
+    The folder's config must describe ``args`` (``max_position_embeddings`` may differ), else ExportError
+    naming the first key that differs. Tensors of the model the layout does not name (none for a native
+    architecture's own) keep their initialisation."""
+    folder = Path(path).expanduser()
+    layout = hf_layout(args)
+    mine, saved = layout.config, hf_layout(read_config(folder)).config
+    diff = [k for k in mine if k not in _FREE and mine[k] != saved.get(k)]
     if diff:
         raise ExportError(f"checkpoint.initial_load_path = {str(path)!r}: {diff[0]} is {saved.get(diff[0])!r}, "
                           f"the job's model has {mine[diff[0]]!r}")
-    full = theirs.state_dict()
-    for part in parts:  # each part (pipeline stage) takes its own FQNs; FSDP shards are cut from the full tensors
-        set_model_state_dict(part, full, options=StateDictOptions(full_state_dict=True, strict=False))
+    with SafetensorsReader(folder) as reader:
+        skipped = _fill(parts, reader, layout.names)
+        log.info(f"{folder}: this rank read {reader.bytes_read:,} of the folder's {reader.total_bytes():,} bytes"
+                 + (f"; {skipped} tensors of the model are not in it and keep their initialisation" if skipped
+                    else ""))
+        return reader.bytes_read

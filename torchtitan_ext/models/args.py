@@ -26,6 +26,14 @@ class ModelArgs:
     activation: str = "swiglu"  # "swiglu" or "relu2" (squared ReLU, two matrices)
     max_seq_len: int = 2048
     rope_theta: float = 10000.0
+    # Llama-3 RoPE scaling ("none" or "llama3"): long-wavelength frequencies divided by rope_scaling_factor,
+    # short ones kept, a smooth blend between (the wavelengths are measured against rope_original_max_seq_len).
+    # The defaults of the other fields are Llama 3.1's.
+    rope_scaling: str = "none"
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
     rope_fraction: float = 1.0  # fraction of each head's dims rotated (partial RoPE)
     nope_every: int = 0  # N > 0: every Nth layer (N-1, 2N-1, ...) uses no positional encoding (RNoPE)
     qk_norm: bool = False
@@ -46,6 +54,10 @@ class ModelArgs:
     # Interleaved cross-layer KV sharing: in each group of kv_share_group layers only the first computes K/V.
     kv_share: str = "none"  # "none" or "interleaved"
     kv_share_group: int = 2
+    # "standard" or "mup" (Maximal Update Parametrization, Tensor Programs V): hyperparameters tuned at width
+    # mup_base_dim carry over to other widths (decoder.py: init, attention scale, logits; train/optim.py: lrs).
+    parametrization: str = "standard"
+    mup_base_dim: int = 0  # the width the hyperparameters were tuned at; 0: dim (no width scaling); muP only
 
     @property
     def kv_heads(self) -> int:
@@ -63,6 +75,25 @@ class ModelArgs:
     @property
     def expert_hidden(self) -> int:
         return self.moe_hidden or self.ffn_hidden
+
+    @property
+    def width_mult(self) -> float:
+        """muP's dim / mup_base_dim; 1 at the base width and under the standard parametrization."""
+        if self.parametrization != "mup" or not self.mup_base_dim:
+            return 1.0
+        return self.dim / self.mup_base_dim
+
+    @property
+    def attention_scale(self) -> float | None:
+        """The softmax's logit scale: None (1 / sqrt(head_dim)), or muP's 1 / head_dim (q and k become
+        correlated during training, so their dot product grows like head_dim, not its square root)."""
+        return 1.0 / self.hdim if self.parametrization == "mup" else None
+
+    @property
+    def output_multiplier(self) -> float:
+        """muP multiplies the logits by mup_base_dim / dim: the head's input grows correlated with its weights'
+        updates, so without it the logits' change per step would grow with width."""
+        return 1.0 / self.width_mult
 
     def uses_rope(self, layer: int) -> bool:
         return self.rope_dims > 0 and not (self.nope_every and layer % self.nope_every == self.nope_every - 1)
@@ -98,5 +129,18 @@ class ModelArgs:
             raise ValueError(f"moe_every = {self.moe_every}: expected >= 1")
         if self.kv_share not in ("none", "interleaved"):
             raise ValueError(f"kv_share = {self.kv_share!r}: expected 'none' or 'interleaved'")
+        if self.rope_scaling not in ("none", "llama3"):
+            raise ValueError(f"rope_scaling = {self.rope_scaling!r}: expected 'none' or 'llama3'")
+        if self.rope_scaling == "llama3":
+            for name in ("rope_scaling_factor", "rope_low_freq_factor", "rope_original_max_seq_len"):
+                if not getattr(self, name) > 0:
+                    raise ValueError(f"{name} = {getattr(self, name)}: expected > 0")
+            if not self.rope_high_freq_factor > self.rope_low_freq_factor:
+                raise ValueError(f"rope_high_freq_factor = {self.rope_high_freq_factor}: expected > "
+                                 f"rope_low_freq_factor = {self.rope_low_freq_factor}")
         if self.kv_share_group < 1:
             raise ValueError(f"kv_share_group = {self.kv_share_group}: expected >= 1")
+        if self.parametrization not in ("standard", "mup"):
+            raise ValueError(f"parametrization = {self.parametrization!r}: expected 'standard' or 'mup'")
+        if self.mup_base_dim < 0:
+            raise ValueError(f"mup_base_dim = {self.mup_base_dim}: expected >= 0")

@@ -27,10 +27,24 @@ from torchtitan_ext.ops.zreg import add_virtual_loss, attention_z_virtual
 PLAIN = ComputeOptions()  # eager torch kernels, no regulariser, logits out
 
 
-def rope_tables(args: ModelArgs, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape (max_seq_len, rope_dims / 2), float32."""
+def rope_inv_freq(args: ModelArgs, device: torch.device | None = None) -> torch.Tensor:
+    """The inverse frequencies (rope_dims / 2,) in float64, which ``rope_tables`` and ``rope_at`` share so that
+    both give bit-identical angles. With ``rope_scaling = "llama3"`` a frequency whose wavelength fits fewer
+    than ``rope_low_freq_factor`` times into the original context is divided by the factor, one fitting more
+    than ``rope_high_freq_factor`` times is kept, and those between blend the two linearly in that ratio."""
     half = args.rope_dims // 2
     inv_freq = 1.0 / (args.rope_theta ** (torch.arange(half, device=device, dtype=torch.float64) / max(half, 1)))
+    if args.rope_scaling == "llama3":
+        fits = args.rope_original_max_seq_len * inv_freq / (2 * math.pi)  # wavelengths per original context
+        lo, hi = args.rope_low_freq_factor, args.rope_high_freq_factor
+        keep = ((fits - lo) / (hi - lo)).clamp(0.0, 1.0)
+        inv_freq = keep * inv_freq + (1.0 - keep) * inv_freq / args.rope_scaling_factor
+    return inv_freq
+
+
+def rope_tables(args: ModelArgs, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape (max_seq_len, rope_dims / 2), float32."""
+    inv_freq = rope_inv_freq(args, device)
     angles = torch.outer(torch.arange(args.max_seq_len, device=device, dtype=torch.float64), inv_freq)
     return angles.cos().float(), angles.sin().float()
 
@@ -38,10 +52,7 @@ def rope_tables(args: ModelArgs, device: torch.device | None = None) -> tuple[to
 def rope_at(args: ModelArgs, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin (batch, seq, rope_dims / 2) at explicit positions (batch, seq); the same float64 angles
     as ``rope_tables``, so position p gives bit-identical values, and positions past max_seq_len work."""
-    half = args.rope_dims // 2
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(half, device=positions.device, dtype=torch.float64)
-                                          / max(half, 1)))
-    angles = positions.double()[..., None] * inv_freq
+    angles = positions.double()[..., None] * rope_inv_freq(args, positions.device)
     return angles.cos().float(), angles.sin().float()
 
 
@@ -77,6 +88,7 @@ class Attention(nn.Module):
         self.n_heads_total, self.n_layers = args.n_heads, args.n_layers
         self.lse_mean: torch.Tensor | None = None
         self.fused_kernels = options.fused_norm  # training.kernels = "triton": QK-norm + RoPE in one kernel
+        self.softmax_scale = args.attention_scale  # None: 1 / sqrt(head_dim); muP: 1 / head_dim
 
     def norm_and_rotate(self, q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -107,12 +119,14 @@ class Attention(nn.Module):
             (k, v), (q, _) = kv, self.norm_and_rotate(q, None, cos, sin)
         qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         want_lse = self.z_reg > 0 and torch.is_grad_enabled()
-        out, lse = attention(qh, kh, vh, mask, need_lse=want_lse)
+        out, lse = attention(qh, kh, vh, mask, need_lse=want_lse, scale=self.softmax_scale)
         if want_lse:
             out = add_virtual_loss(out, attention_z_virtual(lse, self.z_reg, self.n_heads_total, self.n_layers),
                                    self.virtual_grad_scale)
         if self.record_lse:
-            self.lse_mean = (lse if lse is not None else attention_lse(qh, kh, vh, mask)).detach().float().mean()
+            if lse is None:
+                lse = attention_lse(qh, kh, vh, mask, self.softmax_scale)
+            self.lse_mean = lse.detach().float().mean()
         out = self.wo(out.transpose(1, 2).reshape(b, t, -1))
         return (out, (k, v)) if self.returns_kv else out
 
@@ -221,17 +235,34 @@ class Decoder(nn.Module):
                 h = layer(h, rope, mask)
         if self.norm is None:
             return h
-        h = self.norm(h)
+        h = self.head_input(h)
         if self.return_hidden:  # the trainer's fused linear cross-entropy applies the head itself
             return h
+        return self.head(h)
+
+    def head_input(self, h: torch.Tensor) -> torch.Tensor:
+        """The final norm, times muP's output multiplier: the head is linear, so scaling its input scales the
+        logits, on every path that applies it (this forward, the fused linear cross-entropy, generation)."""
+        h = self.norm(h)
+        return h if self.args.output_multiplier == 1.0 else h * self.args.output_multiplier
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits of ``head_input``'s output: the head (or the tied embedding), then the soft-cap."""
         logits = self.output(h) if self.output is not None else F.linear(h, self.tok_embeddings.weight)
         if self.args.logit_softcap > 0:
             logits = self.args.logit_softcap * torch.tanh(logits / self.args.logit_softcap)
         return logits
 
     def init_plan(self) -> dict[str, tuple[str, float]]:
-        """FQN -> (kind, std): norms to one; residual-branch outputs (wo, w2) scaled by 1/sqrt(2 L)."""
+        """FQN -> (kind, std): norms to one; residual-branch outputs (wo, w2) scaled by 1/sqrt(2 L).
+
+        Under muP the blocks' matrices (``is_hidden_matrix``) have their std divided by sqrt(width_mult)
+        (variance proportional to 1 / fan-in), and the head keeps its std at the base width,
+        mup_base_dim^-0.5, whatever the width: with the output multiplier its initial logits shrink like
+        1 / sqrt(width_mult), so the learnt part dominates them. The embedding's std does not depend on width
+        (its fan-in is the vocabulary). At the base width the weights equal the standard ones."""
         a = self.args
+        hidden = a.width_mult ** -0.5
         plan = {}
         for name, p in self.named_parameters():
             if p.ndim == 1:
@@ -239,12 +270,20 @@ class Decoder(nn.Module):
             elif name == "tok_embeddings.weight":
                 plan[name] = ("normal", 0.02 if a.tie_embeddings else 1.0)
             elif name == "output.weight":
-                plan[name] = ("normal", a.dim ** -0.5)
+                plan[name] = ("normal", (a.dim / a.width_mult) ** -0.5)
             elif name.endswith(("wo.weight", "w2.weight", ".w2")):
-                plan[name] = ("normal", 0.02 / math.sqrt(2 * a.n_layers))
+                plan[name] = ("normal", 0.02 / math.sqrt(2 * a.n_layers) * hidden)
             else:
-                plan[name] = ("normal", 0.02)
+                plan[name] = ("normal", 0.02 * hidden if is_hidden_matrix(name, p.ndim) else 0.02)
         return plan
+
+
+def is_hidden_matrix(fqn: str, ndim: int) -> bool:
+    """muP's hidden weights, whose fan-in and fan-out both grow with width: every matrix (or stack of expert
+    matrices) inside the blocks, router included (its fan-in grows). Their AdamW learning rate and init std
+    scale with width; the embedding, head, norms and residual scalars are not hidden. ``fqn`` is clean
+    (``parallel.compile.clean_fqn``), so the choice is the same under any parallel layout."""
+    return ndim >= 2 and fqn.startswith("layers.")
 
 
 _BLOCK_ELEMS = 1 << 22

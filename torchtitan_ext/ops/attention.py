@@ -1,4 +1,5 @@
-"""The attention core of the decoder: softmax(q k^T / sqrt(d) + mask) v over (batch, heads, seq, head_dim).
+"""The attention core of the decoder: softmax(scale q k^T + mask) v over (batch, heads, seq, head_dim), the
+scale 1 / sqrt(head_dim) (``scale=None``) or the caller's (muP's 1 / head_dim, ``ModelArgs.attention_scale``).
 
 * no mask: causal ``F.scaled_dot_product_attention`` (cuDNN / Flash on GPU), today's fast path;
 * a visibility mask on CUDA: FlexAttention with the batch's ``BlockMask`` (fully masked tiles skipped);
@@ -6,7 +7,8 @@
 
 GQA never copies K/V: SDPA and FlexAttention take ``enable_gqa``, the dense path broadcasts a
 (batch, kv_heads, group, seq, head_dim) view. Each path can also return the log-sum-exp of the attention
-logits per query (batch, heads, seq), which attention Z-regularisation and the LSE metric use.
+logits per query (batch, heads, seq), which attention Z-regularisation and the LSE metric use; every path
+takes the same ``scale``, so the LSE is that of the logits the softmax saw.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ def build_mask(start: torch.Tensor, limit: torch.Tensor):
     return visibility_mask(start, limit)
 
 
-def _flex(q, k, v, block_mask, return_lse: bool):
+def _flex(q, k, v, block_mask, return_lse: bool, scale: float | None = None):
     """FlexAttention, compiled when called eagerly (its eager form materialises the scores)."""
     global _flex_compiled
     from torch.nn.attention.flex_attention import flex_attention
@@ -37,43 +39,46 @@ def _flex(q, k, v, block_mask, return_lse: bool):
         if _flex_compiled is None:
             _flex_compiled = torch.compile(flex_attention)
         fn = _flex_compiled
-    return fn(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1], return_lse=return_lse)
+    return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+              return_lse=return_lse)
 
 
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                    scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) with explicit scores; ``mask`` bool (batch, seq_q, seq_k), None for causal."""
     b, h, t, d = q.shape
     hk = k.shape[1]
     if mask is None:
         mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()[None]
     qg = q.view(b, hk, h // hk, t, d)
-    scores = (qg @ k[:, :, None].transpose(-1, -2)) * d ** -0.5  # (b, hk, group, t, t)
+    scores = (qg @ k[:, :, None].transpose(-1, -2)) * (d ** -0.5 if scale is None else scale)  # (b, hk, group, t, t)
     scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.exp(scores - lse[..., None]) @ v[:, :, None]
     return out.reshape(b, h, t, d), lse.reshape(b, h, t)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, need_lse: bool = False
-              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, need_lse: bool = False,
+              scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out (batch, heads, seq, head_dim), lse (batch, heads, seq) or None). ``mask`` is None (causal), a
-    bool tensor or a BlockMask (``build_mask``); ``need_lse`` asks for the differentiable LSE."""
+    bool tensor or a BlockMask (``build_mask``); ``need_lse`` asks for the differentiable LSE; ``scale``
+    multiplies the logits (None: 1 / sqrt(head_dim))."""
     gqa = q.shape[1] != k.shape[1]
     if isinstance(mask, torch.Tensor) or (mask is None and need_lse and not q.is_cuda):
         if need_lse:
-            return dense_attention(q, k, v, mask)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=gqa), None
+            return dense_attention(q, k, v, mask, scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=gqa, scale=scale), None
     if mask is None and not need_lse:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa), None
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale), None
     if mask is None:  # causal with LSE on CUDA: FlexAttention with a causal block mask
         mask = causal_block_mask(q.shape[2], q.device)
     if need_lse:
-        return _flex(q, k, v, mask, return_lse=True)
-    return _flex(q, k, v, mask, return_lse=False), None
+        return _flex(q, k, v, mask, return_lse=True, scale=scale)
+    return _flex(q, k, v, mask, return_lse=False, scale=scale), None
 
 
 @torch.no_grad()
-def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
+def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None,
+                  scale: float | None = None) -> torch.Tensor:
     """The LSE alone (for the metric on the fast path), without touching autograd."""
-    return attention(q, k, v, mask, need_lse=True)[1]
+    return attention(q, k, v, mask, need_lse=True, scale=scale)[1]

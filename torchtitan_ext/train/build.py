@@ -243,7 +243,7 @@ def build_training(cfg: JobConfig, runtime: Runtime, model: BuiltModel) -> Train
         raise ConfigError("eval.use_ema = true needs an EMA: set ema.decay (for example 0.999)")
     ema = EMA(model.parts, cfg.ema.decay, cfg.ema.every, cfg.ema.start_step) if cfg.ema.decay else None
     return TrainingParts(
-        optimizers=Optimizers(model.parts, cfg.optimizer),
+        optimizers=Optimizers(model.parts, cfg.optimizer, model.args),
         spike_guard=SpikeGuard(t.spike_factor, t.spike_window, t.spike_lr_scale, t.spike_guard),
         nonfinite=NonFiniteGuard(t.max_skipped_steps, log.info),
         ema=ema, compression=compression, comm_stats=comm_stats if compression is not None else None)

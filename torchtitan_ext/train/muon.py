@@ -8,6 +8,12 @@ the matrices' owners and one all-to-all returns the orthogonalised shards. Which
 holds is learnt once by sharding an index tensor with the parameter's own placements, so any placement
 (uneven, strided, replicated) is handled the same way. A 3-D parameter (MoDE experts) is a batch of
 matrices over its leading dim.
+
+Under muP the scale above is kept and the width correction rides on the group's lr (``optim.lr_scale``):
+an orthogonalised update has all singular values equal, so this step's spectral norm is
+``lr * 0.2 * sqrt(max(rows, cols))``, which grows like sqrt(width) for the blocks' matrices (both dims grow
+with width), while muP's condition keeps it like sqrt(rows / cols), constant: the lr is multiplied by
+1 / sqrt(width_mult), and the update equals Muon's at the base width.
 """
 
 from __future__ import annotations

@@ -1,6 +1,12 @@
 """The optimizers of each model part (pipeline stages may hold several parts) behind one Stateful container:
 AdamW for everything, or Muon for the blocks' matrices and AdamW for the rest.
 
+Under muP (``model.parametrization = "mup"``) each parameter has a learning-rate multiplier chosen by its
+clean FQN (``lr_scale``), so it is the same under any parallel layout; parameters with another multiplier
+form param groups of their own, and ``set_lr`` gives each group the step's lr times its multiplier. The
+multipliers come from the model's arguments, not from the checkpoint: a resumed run sets every group's lr
+again before its first step, so it steps with exactly the lrs of the uninterrupted run.
+
 Fused AdamW takes the clipping factor and the non-finite skip as device tensors (``grad_scale``,
 ``found_inf``: the kernel divides the gradients by the one and does nothing when the other is 1), so a step
 needs no host read of the gradient norm and the GPU never waits for the host between steps."""
@@ -16,6 +22,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from torchtitan_ext.config.job_config import OptimizerSection
+from torchtitan_ext.models.args import ModelArgs
+from torchtitan_ext.models.decoder import is_hidden_matrix
 from torchtitan_ext.parallel.compile import clean_fqn
 from torchtitan_ext.parallel.grad_norm import clip_divisor, clip_grads_
 from torchtitan_ext.train.muon import Muon
@@ -27,26 +35,46 @@ def is_muon_param(name: str, p: torch.Tensor) -> bool:
     return p.ndim >= 2 and fqn.startswith("layers.") and ".router." not in fqn
 
 
-def param_groups(model: nn.Module, weight_decay: float, exclude=lambda name, p: False) -> list[dict]:
-    """Decay matrices only: norms, biases and embeddings are left undecayed."""
-    decay, no_decay = [], []
+def lr_scale(args: ModelArgs | None, name: str, p: torch.Tensor, muon: bool) -> float:
+    """A parameter's learning-rate multiplier; 1 under the standard parametrization (or without ``args``).
+
+    muP (Tensor Programs V) scales only the hidden matrices (``decoder.is_hidden_matrix``). With AdamW by
+    1 / width_mult: Adam's update has entries of size lr at any width and lines up with the matrix's input,
+    so its effect on the output grows with fan-in. The embedding (fan-in: the vocabulary), norms, residual
+    scalars and the head keep the lr (the head's growing fan-in is offset by the output multiplier). With
+    Muon (``muon``: this parameter is one of Muon's) by 1 / sqrt(width_mult): its update has every singular
+    value 0.2 sqrt(max(fan_out, fan_in)) (``muon.muon_scale``), which grows like sqrt(width) when both fans
+    grow with width, while muP wants the update's spectral norm to stay like sqrt(fan_out / fan_in), constant.
+    AdamW and Muon couple weight decay to the lr, so the decay per step is scaled alike."""
+    if args is None or args.parametrization != "mup" or not is_hidden_matrix(clean_fqn(name), p.ndim):
+        return 1.0
+    return args.width_mult ** -0.5 if muon else 1.0 / args.width_mult
+
+
+def param_groups(model: nn.Module, weight_decay: float, exclude=lambda name, p: False,
+                 scale=lambda name, p: 1.0) -> list[dict]:
+    """Decay matrices only: norms, biases and embeddings are left undecayed. Parameters whose lr multiplier
+    (``scale``) is not 1 form groups of their own after the two of the standard parametrization."""
+    groups: dict[tuple[bool, float], list[torch.Tensor]] = {(True, 1.0): [], (False, 1.0): []}
     for name, p in model.named_parameters():
         if not p.requires_grad or exclude(name, p):
             continue
-        if p.ndim < 2 or "tok_embeddings" in clean_fqn(name):
-            no_decay.append(p)
-        else:
-            decay.append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        decay = p.ndim >= 2 and "tok_embeddings" not in clean_fqn(name)
+        groups.setdefault((decay, scale(name, p)), []).append(p)
+    return [{"params": params, "weight_decay": weight_decay if decay else 0.0}
+            for (decay, _), params in groups.items()]
 
 
-def build_part_optimizers(model: nn.Module, cfg: OptimizerSection) -> list[torch.optim.Optimizer]:
-    """AdamW alone, or Muon on the blocks' matrices plus AdamW on the rest (same learning rate)."""
+def build_part_optimizers(model: nn.Module, cfg: OptimizerSection, args: ModelArgs | None = None
+                          ) -> list[torch.optim.Optimizer]:
+    """AdamW alone, or Muon on the blocks' matrices plus AdamW on the rest (same learning rate; under muP
+    grouped by their multipliers, ``lr_scale``)."""
     fused = cfg.fused  # CUDA and CPU both have the fused kernel
     exclude = is_muon_param if cfg.name == "muon" else (lambda name, p: False)
+    groups = param_groups(model, cfg.weight_decay, exclude, lambda name, p: lr_scale(args, name, p, muon=False))
     opts: list[torch.optim.Optimizer] = [
-        torch.optim.AdamW(param_groups(model, cfg.weight_decay, exclude), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                          eps=cfg.eps, fused=fused, foreach=None if fused else True)]
+        torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused,
+                          foreach=None if fused else True)]
     if cfg.name == "muon":
         matrices = [p for n, p in model.named_parameters() if p.requires_grad and is_muon_param(n, p)]
         opts.append(Muon(matrices, lr=cfg.lr, momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov,
@@ -56,18 +84,23 @@ def build_part_optimizers(model: nn.Module, cfg: OptimizerSection) -> list[torch
 
 class Optimizers:
     """The optimizers of every model part, stepped together; their state dict is keyed by parameter FQN so
-    it reshards across layouts through torch.distributed.checkpoint."""
+    it reshards across layouts through torch.distributed.checkpoint. ``args``: the model's, for muP's lr
+    multipliers (None: all 1)."""
 
-    def __init__(self, parts: list[nn.Module], cfg: OptimizerSection):
+    def __init__(self, parts: list[nn.Module], cfg: OptimizerSection, args: ModelArgs | None = None):
         self.parts = parts
-        self.per_part = [build_part_optimizers(m, cfg) for m in parts]
+        self.per_part = [build_part_optimizers(m, cfg, args) for m in parts]
         self.optimizers = [opt for opts in self.per_part for opt in opts]
         self.base_lr = cfg.lr
+        muon = cfg.name == "muon"
+        self._lr_scales = {id(p): lr_scale(args, name, p, muon and is_muon_param(name, p))
+                           for m in parts for name, p in m.named_parameters()}  # by id: groups share parameters
 
     def set_lr(self, lr: float) -> None:
+        """Every group's lr: ``lr`` times the group's multiplier (all of a group's parameters share it)."""
         for opt in self.optimizers:
             for group in opt.param_groups:
-                group["lr"] = lr
+                group["lr"] = lr * self._lr_scales[id(group["params"][0])] if group["params"] else lr
 
     @property
     def skips_on_device(self) -> bool:

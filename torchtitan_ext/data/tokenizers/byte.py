@@ -6,7 +6,10 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from torchtitan_ext.data.tokenizers.common import BaseTokenizer
+from torchtitan_ext.data.tokenizers.byte_level import byte_level_bpe
+from torchtitan_ext.data.tokenizers.common import BaseTokenizer, require
+from torchtitan_ext.data.tokenizers.hf_files import WHAT, Pipeline
+from torchtitan_ext.data.tokenizers.tiktoken import ENDOFTEXT
 
 
 class ByteTokenizer(BaseTokenizer):
@@ -25,6 +28,14 @@ class ByteTokenizer(BaseTokenizer):
         table = np.ones(self.vocab_size, dtype=np.int64)
         table[self.eot_id] = 0
         return table
+
+    def hf_pipeline(self) -> Pipeline:
+        """The bytes as a byte-level vocabulary without merges and ``<|endoftext|>`` at 256, which the text
+        never holds (its literal is bytes) and which decodes to nothing, as here."""
+        tk = require("tokenizers", WHAT)
+        tok = byte_level_bpe({bytes([b]): b for b in range(256)}, {ENDOFTEXT: self.eot_id})
+        tok.decoder = tk.decoders.Sequence([tk.decoders.Replace(ENDOFTEXT, ""), tok.decoder])
+        return Pipeline(tok, split_special_tokens=True)
 
 
 def load(folder, meta: dict) -> ByteTokenizer:

@@ -1,7 +1,8 @@
 """What every tokenizer kind shares: the interface (``encode``, ``encode_batch``, ``decode``, ``vocab_size``,
-``eot_id``, ``bos_id``, ``pad_id``, ``name``, ``token_byte_lengths``), saving into a run folder with its
-``tokenizer_meta.json`` (vocabulary size, special ids, fingerprint) and the fingerprint itself: the sha256 of
-the kind, the tokenizer's files and the settings that are not in them (a tiktoken split pattern)."""
+``eot_id``, ``bos_id``, ``pad_id``, ``name``, ``token_byte_lengths``, ``hf_files`` for an export), saving into a
+run folder with its ``tokenizer_meta.json`` (vocabulary size, special ids, fingerprint) and the fingerprint
+itself: the sha256 of the kind, the tokenizer's files and the settings that are not in them (a tiktoken split
+pattern)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from torchtitan_ext.config.loader import ConfigError
+from torchtitan_ext.data.tokenizers.hf_files import Pipeline, tokenizer_files
 
 META = "tokenizer_meta.json"
 EXTRA = "pip install 'torchtitan_ext[data]'"
@@ -65,6 +67,16 @@ class BaseTokenizer:
 
     def files(self) -> dict[str, bytes]:
         return {}
+
+    def hf_files(self, model_max_length: int | None = None) -> dict[str, bytes]:
+        """This tokenizer as Hugging Face files (file name -> bytes: tokenizer.json, tokenizer_config.json,
+        special_tokens_map.json) for an exported model: AutoTokenizer on them encodes and decodes as we do, its
+        eos our end-of-text id (``hf_files.py``)."""
+        return tokenizer_files(self, self.hf_pipeline(), model_max_length)
+
+    def hf_pipeline(self) -> Pipeline:
+        """This tokenizer as a ``tokenizers.Tokenizer`` and the settings of its config."""
+        raise TokenizerError(f"{self.kind} tokenizer {self.name!r}: no Hugging Face form")
 
     def settings(self) -> dict:
         """What ``load`` needs besides the files (part of the fingerprint)."""

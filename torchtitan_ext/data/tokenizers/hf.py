@@ -4,7 +4,8 @@ with ``tokenizer_config.json`` (and ``special_tokens_map.json``), whose ``bos_to
 end-of-text token of the vocabulary).
 
 ``encode`` is the library's encoding without the post-processor's special tokens (documents are joined
-by the end-of-text id instead), truncation and padding off."""
+by the end-of-text id instead), truncation and padding off; ``hf_pipeline`` (an export) is the same file
+without them."""
 
 from __future__ import annotations
 
@@ -14,17 +15,12 @@ from pathlib import Path
 
 import numpy as np
 
+from torchtitan_ext.data.tokenizers.byte_level import byte_level_alphabet
 from torchtitan_ext.data.tokenizers.common import BaseTokenizer, TokenizerError, file_hash, require
+from torchtitan_ext.data.tokenizers.hf_files import Pipeline
 
 CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 EOT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[EOS]")
-
-
-def _byte_level_chars() -> set[str]:
-    """The printable characters GPT-2's byte-level alphabet maps the 256 bytes to (one byte each)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    extra = [256 + n for n in range(256 - len(keep))]
-    return {chr(c) for c in keep + extra}
 
 
 def _types(node) -> set[str]:
@@ -96,7 +92,7 @@ class HFTokenizer(BaseTokenizer):
         with ``▁`` a space, ``<0x..>`` byte-fallback tokens one byte and a WordPiece ``##`` dropped.
         Special tokens count zero; other added tokens their text."""
         decoder = _types(json.loads(self._files["tokenizer.json"]).get("decoder"))
-        byte_level, alphabet = "ByteLevel" in decoder, _byte_level_chars()
+        byte_level, alphabet = "ByteLevel" in decoder, set(byte_level_alphabet())
         table = np.zeros(self.vocab_size, dtype=np.int64)
         for i in range(self.vocab_size):
             if i in self.added:
@@ -117,6 +113,16 @@ class HFTokenizer(BaseTokenizer):
 
     def files(self) -> dict[str, bytes]:
         return dict(self._files)
+
+    def hf_pipeline(self) -> Pipeline:
+        """The tokenizer.json less a post-processor that adds special tokens (a BOS): ``encode`` leaves them out,
+        so the model never saw them; the unknown token is its model's."""
+        tok = type(self.tok).from_str(self.tok.to_str())  # a copy (truncation and padding already off)
+        if tok.post_processor is not None and tok.post_processor.num_special_tokens_to_add(False):
+            tok.post_processor = None
+        model = json.loads(self._files["tokenizer.json"]).get("model", {})
+        unk = model.get("unk_token") or (tok.id_to_token(model["unk_id"]) if model.get("unk_id") is not None else None)
+        return Pipeline(tok, unk_token=unk)
 
 
 def load(folder: Path, meta: dict) -> HFTokenizer:

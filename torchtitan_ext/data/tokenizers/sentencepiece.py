@@ -9,7 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
+from torchtitan_ext.data.tokenizers import sentencepiece_hf
 from torchtitan_ext.data.tokenizers.common import BaseTokenizer, TokenizerError, require
+from torchtitan_ext.data.tokenizers.hf_files import Pipeline
 
 
 class SentencePieceTokenizer(BaseTokenizer):
@@ -58,6 +60,9 @@ class SentencePieceTokenizer(BaseTokenizer):
 
     def files(self) -> dict[str, bytes]:
         return {self._file: self._bytes}
+
+    def hf_pipeline(self) -> Pipeline:
+        return sentencepiece_hf.pipeline(self._bytes, self._file)
 
 
 def load(folder: Path, meta: dict) -> SentencePieceTokenizer:

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
+from torchtitan_ext.data.tokenizers.byte_level import byte_level_bpe
 from torchtitan_ext.data.tokenizers.common import BaseTokenizer, TokenizerError, file_hash, require
+from torchtitan_ext.data.tokenizers.hf_files import Pipeline
 
 ENDOFTEXT = "<|endoftext|>"
 _R50K = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
@@ -103,6 +105,11 @@ class TiktokenTokenizer(BaseTokenizer):
 
     def settings(self) -> dict:
         return {"encoding": self.encoding, "pattern": self.pattern, "special_tokens": self.special_tokens}
+
+    def hf_pipeline(self) -> Pipeline:
+        """The ranks as a byte-level BPE with the same split pattern; special tokens in the text are text, as
+        ``encode_ordinary`` reads them."""
+        return Pipeline(byte_level_bpe(self.ranks, self.special_tokens, self.pattern), split_special_tokens=True)
 
 
 def load(folder: Path, meta: dict) -> TiktokenTokenizer:

@@ -1,0 +1,313 @@
+"""Hugging Face interchange at scale: sharded safetensors export (CLI, from a trained dump) whose logits equal
+transformers', the streaming export's memory (one shard at a time, measured at the loader), ``load_hf`` of
+sharded and bf16 folders, per-rank slice reading under FSDP2 and TP2 (bytes counted), continued pretraining
+from a sharded folder on 2 FSDP processes = 1 process, and one-line refusals that leave nothing behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import warnings
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from dist_utils import run_distributed
+from trainer_utils import REPO, losses, run_trainer
+
+from torchtitan_ext.hf import load as hf_load
+from torchtitan_ext.hf.architectures import ExportError
+from torchtitan_ext.hf.export import export_checkpoint, export_model
+from torchtitan_ext.hf.load import load_hf, load_hf_weights
+from torchtitan_ext.hf.safetensors_io import INDEX, SINGLE, SafetensorsReader, parse_size, plan_shards
+from torchtitan_ext.models.args import ModelArgs
+from torchtitan_ext.models.decoder import Decoder
+
+# A Llama-shaped tiny model (~460 KB in float32), trained 6 steps on one process with an EMA.
+LLAMA = ["--model.flavor", "1b", "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4",
+         "--model.n_kv_heads", "2", "--model.ffn_hidden", "128", "--model.vocab_size", "320",
+         "--training.steps", "6", "--checkpoint.enabled", "true", "--checkpoint.interval", "6"]
+ARGS = dict(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=96, max_seq_len=32)
+MOE = dict(n_experts=4, top_k=2, moe_hidden=32)  # MoDE on every layer: MixtralForCausalLM
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run([sys.executable, "-m", "torchtitan_ext.export", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env=env)
+
+
+def _random_model(**kw) -> Decoder:
+    torch.manual_seed(0)
+    model = Decoder(ModelArgs(**{**ARGS, **kw}))
+    model.init_buffers(torch.device("cpu"))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2) if p.ndim > 1 else p.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+def _shard_bytes(folder: Path) -> dict[str, list[int]]:
+    """file -> the bytes of each tensor in it."""
+    with SafetensorsReader(folder) as r:
+        out: dict[str, list[int]] = {}
+        for name, shape in r.shapes.items():
+            out.setdefault(r.file_of[name], []).append(torch.Size(shape).numel() * r.dtypes[name].itemsize)
+        return out
+
+
+def _one_line(proc: subprocess.CompletedProcess, *words: str) -> None:
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert all(w in lines[0] for w in words), lines[0]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("llama")
+    run_trainer(dump, 0, *LLAMA)
+    return dump
+
+
+def test_size_parsing_and_shard_plan():
+    assert [parse_size(v) for v in ("5GB", "500MB", "2MiB", "1kb", "123", 77)] == \
+        [5 * 10**9, 5 * 10**8, 2 * 2**20, 1000, 123, 77]
+    for bad in ("5XB", "0", "-1", "GB", ""):
+        with pytest.raises(ExportError, match="--max-shard-size"):
+            parse_size(bad)
+    assert plan_shards([4, 4, 4, 9, 1, 1], 8) == [range(0, 2), range(2, 3), range(3, 4), range(4, 6)]
+    assert plan_shards([3, 3], 100) == [range(0, 2)]
+
+
+def test_sharded_cli_export_logits_and_load_hf(trained, tmp_path):
+    """float32 sharded export through the CLI: >= 3 shards under the limit (a larger tensor alone), transformers'
+    logits equal ours, load_hf gives the model back; the default bf16 export is bf16 in config and tensors,
+    and load_hf keeps it bf16."""
+    transformers = pytest.importorskip("transformers")
+    from torchtitan_ext.eval.load import load_trained
+
+    out = _cli("--checkpoint", str(trained), "--output", str(tmp_path / "f32"), "--dtype", "float32",
+               "--max-shard-size", "40KB")
+    assert out.returncode == 0, out.stderr
+    assert "LlamaForCausalLM (native transformers class)" in out.stdout and "float32" in out.stdout
+    folder = tmp_path / "f32"
+    index = json.loads((folder / INDEX).read_text())
+    shards = _shard_bytes(folder)
+    assert len(shards) >= 3 and set(index["weight_map"].values()) == set(shards)
+    assert all(sum(sizes) <= 40_000 or len(sizes) == 1 for sizes in shards.values())
+    assert any(len(sizes) == 1 and sizes[0] > 40_000 for sizes in shards.values())  # the embedding alone
+    assert index["metadata"]["total_size"] == sum(map(sum, shards.values()))
+    config = json.loads((folder / "config.json").read_text())
+    assert config["dtype"] == "float32" and config["eos_token_id"] == 256
+    assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == 256
+    model = load_trained(trained)[0]
+    x = torch.randint(0, 320, (2, 32))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, model(x), rtol=1e-5, atol=1e-5)
+        back = load_hf(folder)
+        assert next(back.parameters()).dtype == torch.float32 and torch.equal(back(x), model(x))
+    out = _cli("--checkpoint", str(trained), "--output", str(tmp_path / "bf16"))
+    assert out.returncode == 0, out.stderr
+    folder = tmp_path / "bf16"
+    assert (folder / SINGLE).is_file() and not (folder / INDEX).exists()  # 230 KB: one file under 5GB
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+    with SafetensorsReader(folder) as r:
+        assert set(r.dtypes.values()) == {torch.bfloat16}
+    back = load_hf(folder)
+    assert {p.dtype for p in back.parameters()} == {torch.bfloat16}
+    for k, v in back.state_dict().items():
+        assert torch.equal(v, model.state_dict()[k].to(torch.bfloat16)), k
+    assert hf.config.eos_token_id == 256
+
+
+def _checkpoint(model: Decoder, folder: Path, ema: dict[str, torch.Tensor] | None = None) -> Path:
+    state = {f"model.{k}": v for k, v in model.state_dict().items()}
+    if ema is not None:
+        state.update({f"ema.shadow.{k}": v for k, v in ema.items()})
+        state["ema.started"] = torch.tensor(1)
+    with warnings.catch_warnings():  # a checkpoint written by one process, as a one-GPU run writes it
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, checkpoint_id=str(folder))
+    return folder
+
+
+def test_streaming_export_holds_one_shard(tmp_path, monkeypatch):
+    """Every dcp.load of the export gets one shard's tensors (bf16, as written) and the previous shard's are
+    freed by then: the bytes alive at a load never pass max_shard_size + the largest tensor, for a model 20x
+    the limit. The EMA export writes the EMA's average."""
+    model = _random_model(n_layers=4)
+    ema = {n: p.detach() * 2 for n, p in model.named_parameters()}
+    step = _checkpoint(model, tmp_path / "step-1", ema)
+    alive: list[weakref.ref] = []
+    loads: list[tuple[int, int]] = []  # (bytes of this load, bytes still alive from earlier loads)
+    real_load = dcp.load
+
+    def counting_load(state, **kw):
+        tensors = [t for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
+        earlier = sum(t.numel() * t.element_size() for r in alive if (t := r()) is not None)
+        loads.append((sum(t.numel() * t.element_size() for t in tensors), earlier))
+        alive.extend(weakref.ref(t) for t in tensors)
+        return real_load(state, **kw)
+
+    monkeypatch.setattr(dcp, "load", counting_load)
+    limit = 8_000
+    res = export_checkpoint(step, model.args, tmp_path / "hf", max_shard_size=limit)
+    total = sum(v.numel() * 2 for v in model.state_dict().values())
+    largest = max(v.numel() * 2 for v in model.state_dict().values())
+    assert res.total_bytes == total > 20 * limit and len(res.weight_files) == len(loads) >= 20
+    assert sum(n for n, _ in loads) == total  # every tensor read once
+    assert max(n + earlier for n, earlier in loads) <= limit + largest
+    assert all(earlier == 0 for _, earlier in loads)
+    back = load_hf(tmp_path / "hf")
+    for k, v in back.state_dict().items():
+        assert v.dtype == torch.bfloat16 and torch.equal(v, model.state_dict()[k].to(torch.bfloat16)), k
+    export_checkpoint(step, model.args, tmp_path / "ema", dtype=torch.float32, weights="ema")
+    for k, v in load_hf(tmp_path / "ema").named_parameters():
+        assert torch.equal(v, ema[k]), k
+    _checkpoint(model, tmp_path / "no-ema")
+    with pytest.raises(ExportError, match="holds no EMA"):
+        export_checkpoint(tmp_path / "no-ema", model.args, tmp_path / "x", weights="ema")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ema", "hf", "no-ema", "step-1"]
+
+
+def test_stacked_experts_written_per_expert(tmp_path):
+    """MoDE's stacked experts in a native MoE class (Mixtral here): one tensor per expert, a shard boundary
+    falling inside a stack, transformers' logits equal ours, load_hf stacks them back."""
+    transformers = pytest.importorskip("transformers")
+    model = _random_model(**MOE)
+    res = export_model(model, tmp_path, dtype=torch.float32, max_shard_size=10_000)
+    assert res.architecture == "MixtralForCausalLM" and res.native
+    ours = model.state_dict()["layers.1.feed_forward.experts.w1"]
+    names = [f"model.layers.1.block_sparse_moe.experts.{e}.w1.weight" for e in range(4)]
+    with SafetensorsReader(tmp_path) as r:
+        assert len({r.file_of[n] for n in names}) > 1  # the stack spans shards
+        for e, name in enumerate(names):
+            assert torch.equal(r.read(name), ours[e])
+        assert not any("expert_bias" in n for n in r.shapes)
+    x = torch.randint(0, 96, (2, 32))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, model(x), rtol=1e-5, atol=1e-5)
+        back = load_hf(tmp_path)
+        assert torch.equal(back(x), model(x))
+
+
+def _load_sharded(rank: int, world: int, folder: str, layout: str) -> tuple[dict, int]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from torchtitan_ext.parallel.tp import apply_tp
+
+    args = hf_load.read_config(Path(folder))
+    shape, names = {"fsdp": ((world,), ("dp",)), "tp": ((world,), ("tp",)),
+                    "fsdp_tp": ((world // 2, 2), ("dp", "tp"))}[layout]
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    with torch.device("meta"):
+        model = Decoder(args)
+    if "tp" in layout:
+        apply_tp(model, mesh["tp"], loss_parallel=False)
+    if "fsdp" in layout:  # under TP: FSDP's share of each TP shard (a _StridedShard placement)
+        for block in model.layers.values():
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    model.to_empty(device="cpu")
+    model.init_buffers(torch.device("cpu"))
+    read = load_hf_weights([model], folder, args)
+    full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+    return full, read
+
+
+@pytest.mark.parametrize("layout, world, moe", [("fsdp", 2, False), ("tp", 2, False), ("fsdp", 2, True),
+                                                ("fsdp_tp", 4, False)],
+                         ids=["fsdp2", "tp2", "fsdp2_experts", "fsdp2_tp2"])
+def test_each_rank_reads_its_slices(tmp_path, layout, world, moe):
+    """gloo processes under FSDP2 (everything sharded on dim 0; stacked experts: each rank reads its experts),
+    TP2 (colwise / rowwise, the norms replicated) or FSDP2 x TP2 (4 processes; uneven shards of the vocabulary
+    and FFN): the full state each rank sees equals one process's load_hf, and each rank read only its share."""
+    uneven = world == 4  # 250 / 2 / 2 and 200 / 2 / 2 rows: FSDP's shards of the TP shards differ in size
+    model = _random_model(vocab_size=250 if uneven else 256, dim=128, ffn_hidden=200 if uneven else 256,
+                          **(MOE if moe else {}))
+    export_model(model, tmp_path / "hf", dtype=torch.float32, max_shard_size=100_000)
+    total = sum(v.numel() * 4 for k, v in model.state_dict().items() if "expert_bias" not in k)
+    replicated = sum(v.numel() * 4 for k, v in model.state_dict().items() if "norm" in k)
+    one = load_hf(tmp_path / "hf").state_dict()
+    assert total == SafetensorsReader(tmp_path / "hf").total_bytes()
+    results = run_distributed(_load_sharded, world, str(tmp_path / "hf"), layout)
+    for full, _ in results:
+        assert full.keys() == one.keys() and all(torch.equal(full[k], one[k]) for k in one)
+    reads = [read for _, read in results]
+    # Under TP the norms are replicated over the TP ranks: each TP rank reads them (its FSDP share of them).
+    expected = total if layout == "fsdp" else total + replicated
+    assert sum(reads) == expected and max(reads) < 0.6 * total / (world // 2), (reads, total)
+
+
+def test_continued_pretraining_from_sharded_folder_fsdp2_equals_one_process(trained, tmp_path):
+    """checkpoint.initial_load_path = a sharded export: 2 FSDP processes train like 1 (same global batch), the
+    weights were loaded (step 1's loss is the trained model's, below the fresh one's), and rank 0 read about
+    half the folder."""
+    out = _cli("--checkpoint", str(trained), "--output", str(tmp_path / "hf"), "--dtype", "float32",
+               "--max-shard-size", "40KB")
+    assert out.returncode == 0, out.stderr
+    start = ["--checkpoint.enabled", "false", "--training.steps", "3",
+             "--checkpoint.initial_load_path", str(tmp_path / "hf")]
+    one = run_trainer(tmp_path / "one", 0, *LLAMA, *start)
+    two = run_trainer(tmp_path / "two", 2, *LLAMA, *start, "--training.local_batch_size", "2")
+    a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert a.keys() == b.keys() == {1, 2, 3}
+    assert all(abs(a[s] - b[s]) < 1e-4 for s in a), (a, b)
+    assert a[1] < losses(trained)[1] - 0.2
+    for proc, share in ((one, 1.0), (two, 0.5)):  # rank 0's log line
+        m = re.search(r"this rank read ([\d,]+) of the folder's ([\d,]+) bytes", proc.stdout)
+        read, total = (int(g.replace(",", "")) for g in m.group(1, 2))
+        assert abs(read / total - share) < 0.05, (read, total)
+
+
+def test_refusals_are_one_line_and_leave_nothing(trained, tmp_path):
+    """A non-empty --output, a bad --max-shard-size, --weights ema without an EMA, a damaged checkpoint: exit 2,
+    one line naming it, nothing written. Damaged folders on import (an index naming a missing shard, a truncated
+    shard, a corrupt index, no weights): one line naming the file, from load_hf and from the trainer."""
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("x")
+    _one_line(_cli("--checkpoint", str(trained), "--output", str(tmp_path / "full")), "--output",
+              "not an empty folder")
+    assert [p.name for p in (tmp_path / "full").iterdir()] == ["keep.txt"]
+    _one_line(_cli("--checkpoint", str(trained), "--output", str(tmp_path / "a"), "--max-shard-size", "5XB"),
+              "--max-shard-size", "5XB")
+    _one_line(_cli("--checkpoint", str(trained), "--output", str(tmp_path / "a"), "--weights", "ema"),
+              "--weights ema", "no EMA")
+    damaged = tmp_path / "damaged"
+    shutil.copytree(trained, damaged)
+    step = damaged / "checkpoint" / "step-6"
+    for shard in step.glob("*.distcp"):
+        shard.write_bytes(shard.read_bytes()[:100])
+    _one_line(_cli("--checkpoint", str(damaged), "--output", str(tmp_path / "a")), f"{step}: cannot read")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["damaged", "full"]  # no output, no temporary folder
+
+    from torchtitan_ext.eval.load import load_trained
+
+    export_model(load_trained(trained)[0], tmp_path / "hf", dtype=torch.float32, max_shard_size=40_000)
+    index = json.loads((tmp_path / "hf" / INDEX).read_text())
+    files = sorted(set(index["weight_map"].values()))
+    for name, damage, words in [
+            ("missing", lambda f: (f / files[1]).unlink(), ("names", files[1], "does not exist")),
+            ("truncated", lambda f: (f / files[2]).write_bytes((f / files[2]).read_bytes()[:-7]), (files[2],)),
+            ("corrupt", lambda f: (f / INDEX).write_text("{"), (INDEX, "not a safetensors index")),
+            ("empty", lambda f: [p.unlink() for p in f.glob("model*")], ("no weights",))]:
+        folder = tmp_path / name
+        shutil.copytree(tmp_path / "hf", folder)
+        damage(folder)
+        with pytest.raises(ExportError) as e:
+            load_hf(folder)
+        assert "\n" not in str(e.value) and all(w in str(e.value) for w in words), e.value
+    bad = run_trainer(tmp_path / "job", 0, *LLAMA, "--checkpoint.enabled", "false",
+                      "--checkpoint.initial_load_path", str(tmp_path / "missing"), check=False)
+    assert bad.returncode == 2, bad.stderr[-3000:]
+    assert bad.stderr.strip().splitlines()[-1].startswith(f"error: {tmp_path / 'missing' / INDEX}: names")
