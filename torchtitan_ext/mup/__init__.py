@@ -124,6 +124,9 @@ def run_coord_check(cfg: JobConfig, widths: list[int], steps: int) -> CoordCheck
     device = runtime.device
     result = CoordCheck(base.parametrization, base.mup_base_dim or base.dim, list(widths), [], {})
     for width, args in variants.items():
+        # Each width is a new model shape: compiled code of the last one (FlexAttention, which the attention
+        # Z-reg runs on CUDA) would only count towards dynamo's recompile limit, past which it runs eagerly.
+        torch._dynamo.reset()
         model = build_model(cfg, runtime, args).parts[0]
         optimizers = Optimizers([model], cfg.optimizer, args)
         result.rms[width] = [measure(model, probe.inputs.to(device))]
