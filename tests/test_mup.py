@@ -246,10 +246,13 @@ def mup_run(tmp_path_factory):
     return dump
 
 
-@pytest.mark.parametrize("layout", [["--training.local_batch_size", "2"],
-                                    ["--parallelism.dp_shard", "1", "--parallelism.tp", "2"]], ids=["fsdp2", "tp2"])
-def test_mup_layouts_match_one_process(mup_run, tmp_path, layout):
-    run_trainer(tmp_path, 2, *MUP, "--training.steps", "5", *layout)
+@pytest.mark.parametrize("nproc, layout", [
+    (2, ["--training.local_batch_size", "2"]), (2, ["--parallelism.dp_shard", "1", "--parallelism.tp", "2"]),
+    (0, ["--training.fused_linear_ce", "true"])], ids=["fsdp2", "tp2", "fused_linear_ce"])
+def test_mup_layouts_match_one_process(mup_run, tmp_path, nproc, layout):
+    """FSDP2 and TP2 (loss parallel), and the fused head + loss, which takes the head's input already
+    multiplied (``Decoder.head_input``), all equal the one-process run."""
+    run_trainer(tmp_path, nproc, *MUP, "--training.steps", "5", *layout)
     ref, got = read_metrics(mup_run)[:5], read_metrics(tmp_path)
     assert [r["step"] for r in got] == [1, 2, 3, 4, 5]
     for r, g in zip(ref, got, strict=True):

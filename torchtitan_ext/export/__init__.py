@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from torchtitan_ext.config.loader import ConfigError, parse_args
+from torchtitan_ext.data.chat import DEFAULT_TEMPLATE
 from torchtitan_ext.eval.load import find_checkpoint, run_tokenizer
 from torchtitan_ext.hf.export import DEFAULT_SHARD_SIZE, ExportResult, export_checkpoint
 from torchtitan_ext.hf.load import load_hf  # noqa: F401  (README: torchtitan_ext.export.load_hf)
@@ -25,5 +26,7 @@ def export_run(checkpoint: str | Path, output: str | Path, *, dtype: torch.dtype
     cfg = parse_args(["--config", str(toml)])
     tok = run_tokenizer(cfg, dump)
     args = resolve_model_args(cfg, getattr(tok, "vocab_size", 0))
+    if cfg.data.dataset == "chat" and tok is not None and not tok.chat_template:
+        tok.chat_template = DEFAULT_TEMPLATE  # what the run rendered its conversations with
     return ckpt, export_checkpoint(ckpt, args, output, dtype=dtype, max_shard_size=max_shard_size, tokenizer=tok,
                                    weights=weights)

@@ -214,19 +214,6 @@ def remote_code_files() -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(REMOTE_CODE.glob("*.py"))}
 
 
-def hf_config(a: ModelArgs) -> dict:
-    """config.json of a dense native architecture (the single-file exporter of ``hf/load.py`` names tensors with
-    ``hf_name``); ExportError for the rest, which ``hf_layout`` writes."""
-    layout = hf_layout(a)
-    if not layout.native:
-        raise ExportError(f"export: {layout.reason} has no transformers architecture: it is written as "
-                          f"{CUSTOM_ARCHITECTURE} (hf_layout)")
-    if a.n_experts > 0:
-        raise ExportError(f"export: MoDE layers (model.n_experts > 0) are written per expert as "
-                          f"{layout.architecture} (hf_layout)")
-    return layout.config
-
-
 def hf_name(name: str) -> str:
     """transformers' name of one of our dense state-dict entries (the Llama family's naming)."""
     if name.startswith("layers."):
