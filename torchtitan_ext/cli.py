@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -92,6 +93,25 @@ class OptionValue(argparse.Action):
 
 CONFIG_EPILOG = ("Any other --section.key value (or --section.key=value) overrides a key of the job config;\n"
                  "python -m torchtitan_ext.train --help lists them.")
+
+
+def positive_number(raw: str) -> float:
+    """argparse type: a finite number > 0 (``1e9`` allowed)."""
+    try:
+        value = float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {raw!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {raw!r}")
+    return value
+
+
+def positive_whole(raw: str) -> int:
+    """argparse type: a whole number > 0, also written ``1e6``."""
+    value = positive_number(raw)
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {raw!r}")
+    return int(value)
 
 
 def add_config_option(parser: argparse.ArgumentParser) -> None:

@@ -19,6 +19,7 @@ from torchtitan_ext.config.job_config import JobConfig
 from torchtitan_ext.config.loader import ConfigError, parse_args
 from torchtitan_ext.data.registry import build_tokenizer
 from torchtitan_ext.data.tokenizers import RUN_FOLDER, load_tokenizer, read_meta
+from torchtitan_ext.models.args import ModelArgs
 from torchtitan_ext.models.decoder import Decoder
 
 
@@ -52,11 +53,9 @@ def run_tokenizer(cfg: JobConfig, dump: Path):
     return build_tokenizer(cfg.data)
 
 
-def load_trained(path: str | Path, device: str | torch.device = "cpu", cfg: JobConfig | None = None,
-                 dtype: torch.dtype = torch.float32) -> tuple[Decoder, object, JobConfig, Path]:
-    """(model in eval mode, tokenizer, job config, checkpoint folder) from a dump or checkpoint folder. When the
-    dump folder holds the run's tokenizer, the config's ``data.tokenizer`` is set to that folder (so what
-    rebuilds the tokenizer from the config, the validation streams, reads the run's copy)."""
+def trained_run(path: str | Path, cfg: JobConfig | None = None) -> tuple[Path, JobConfig, object, ModelArgs]:
+    """(checkpoint folder, job config, tokenizer, model arguments) of the run in a dump or checkpoint folder:
+    the config is the run's ``config.toml`` unless given, the tokenizer the run's saved copy."""
     from torchtitan_ext.models.flavors import resolve_model_args
 
     dump, ckpt = find_checkpoint(path, cfg)
@@ -66,7 +65,15 @@ def load_trained(path: str | Path, device: str | torch.device = "cpu", cfg: JobC
             raise ConfigError(f"{dump}: no config.toml (the trainer writes it into the dump folder)")
         cfg = parse_args(["--config", str(toml)])
     tok = run_tokenizer(cfg, dump)
-    args = resolve_model_args(cfg, getattr(tok, "vocab_size", 0))
+    return ckpt, cfg, tok, resolve_model_args(cfg, getattr(tok, "vocab_size", 0))
+
+
+def load_trained(path: str | Path, device: str | torch.device = "cpu", cfg: JobConfig | None = None,
+                 dtype: torch.dtype = torch.float32) -> tuple[Decoder, object, JobConfig, Path]:
+    """(model in eval mode, tokenizer, job config, checkpoint folder) from a dump or checkpoint folder. When the
+    dump folder holds the run's tokenizer, the config's ``data.tokenizer`` is set to that folder (so what
+    rebuilds the tokenizer from the config, the validation streams, reads the run's copy)."""
+    ckpt, cfg, tok, args = trained_run(path, cfg)
     device = torch.device(device)
     with torch.device(device):
         model = Decoder(args)

@@ -9,33 +9,17 @@ dimension moves per step, then whether the peak fits the device memory (``torcht
 
 from __future__ import annotations
 
-import argparse
-import math
 import sys
-from collections.abc import Callable
 
 from torchtitan_ext import cli
-
-
-def _positive(kind: type) -> Callable[[str], float]:
-    """argparse type: a finite number > 0 of ``kind``, with the planner's messages."""
-    def convert(raw: str) -> float:
-        try:
-            value = kind(raw)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {raw!r}") from None
-        if not math.isfinite(value) or value <= 0:
-            raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {raw!r}")
-        return value
-    return convert
 
 
 def parser() -> cli.ArgumentParser:
     p = cli.ArgumentParser(prog="python -m torchtitan_ext.plan", description=__doc__, epilog=cli.CONFIG_EPILOG)
     cli.add_config_option(p)
-    p.add_argument("--gpus", action=cli.OptionValue, type=_positive(int), metavar="N",
+    p.add_argument("--gpus", action=cli.OptionValue, type=cli.positive_whole, metavar="N",
                    help="GPUs of the job (default: the world the config's parallelism names)")
-    p.add_argument("--device-memory", action=cli.OptionValue, type=_positive(float), default=80.0,
+    p.add_argument("--device-memory", action=cli.OptionValue, type=cli.positive_number, default=80.0,
                    metavar="GiB", help="memory of one device (default: 80)")
     return p
 

@@ -21,30 +21,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
 from torchtitan_ext import cli
-
-
-def _positive(raw: str) -> float:
-    """argparse type: a finite number > 0 (``1e9`` allowed)."""
-    try:
-        value = float(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {raw!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {raw!r}")
-    return value
-
-
-def _whole(raw: str) -> int:
-    """argparse type: a whole number > 0, also written ``1e6``."""
-    value = _positive(raw)
-    if value != int(value):
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {raw!r}")
-    return int(value)
 
 
 def _pair(raw: str) -> tuple[float, float]:
@@ -52,7 +32,7 @@ def _pair(raw: str) -> tuple[float, float]:
     parts = raw.split(",")
     if len(parts) != 2:
         raise argparse.ArgumentTypeError(f"expected N,D (e.g. 1e9,2e10), got {raw!r}")
-    return _positive(parts[0]), _positive(parts[1])
+    return cli.positive_number(parts[0]), cli.positive_number(parts[1])
 
 
 def parser() -> cli.ArgumentParser:
@@ -63,7 +43,7 @@ def parser() -> cli.ArgumentParser:
     source.add_argument("--input", action=cli.OptionValue, metavar="CSV",
                         help="runs as a CSV with columns params (non-embedding), tokens, loss")
     source.add_argument("--runs", nargs="+", metavar="DUMP", help="dump folders of finished training runs")
-    fit.add_argument("--flops", action=cli.OptionValue, type=_positive, metavar="C",
+    fit.add_argument("--flops", action=cli.OptionValue, type=cli.positive_number, metavar="C",
                      help="a training budget in FLOPs: print the compute-optimal N and D (C = 6 N D) and their loss")
     fit.add_argument("--predict", action=cli.OptionValue, type=_pair, metavar="N,D",
                      help="print the loss the law predicts for N non-embedding parameters and D tokens")
@@ -72,12 +52,13 @@ def parser() -> cli.ArgumentParser:
     sweep = sub.add_parser("sweep", help="train the grid of widths x token budgets, write runs.csv",
                            description=__doc__, epilog=cli.CONFIG_EPILOG + "\nOverrides may also follow a lone --.")
     cli.add_config_option(sweep)
-    sweep.add_argument("--widths", nargs="+", type=_whole, required=True, metavar="DIM", help="model.dim values")
-    sweep.add_argument("--tokens", nargs="+", type=_whole, required=True, metavar="D",
+    sweep.add_argument("--widths", nargs="+", type=cli.positive_whole, required=True, metavar="DIM",
+                       help="model.dim values")
+    sweep.add_argument("--tokens", nargs="+", type=cli.positive_whole, required=True, metavar="D",
                        help="training tokens of each run (rounded to whole steps of the global batch)")
     sweep.add_argument("--out", action=cli.OptionValue, default="outputs/scaling", metavar="DIR",
                        help="folder of the runs' dump folders and runs.csv (default: outputs/scaling)")
-    sweep.add_argument("--nproc", action=cli.OptionValue, type=_whole, default=1, metavar="N",
+    sweep.add_argument("--nproc", action=cli.OptionValue, type=cli.positive_whole, default=1, metavar="N",
                        help="processes per run (> 1: torch.distributed.run --standalone; default: 1)")
     sweep.add_argument("--fit", action="store_true", help="fit the law afterwards: OUT/fit.json, OUT/fit.png")
     sweep.add_argument("--dry-run", action="store_true", help="print the trainer commands, run nothing")
