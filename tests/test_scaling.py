@@ -150,6 +150,13 @@ def test_sweep_trains_the_grid_and_fit_reads_the_dumps(tmp_path, capsys, monkeyp
     capsys.readouterr()
     lines = (out / "runs.csv").read_text().splitlines()
     assert lines[0] == "params,tokens,loss,run" and len(lines) == 7
+    # Two runs at once: the same losses as one after another (each run is its own seeded process).
+    assert main(["sweep", "--widths", "64", "--tokens", "768", "1536", "--out", str(tmp_path / "par"),
+                 "--parallel", "2", "--", *TINY, "--metrics.log_freq", "5", "--eval.steps", "2"]) == 0
+    capsys.readouterr()
+    par = (tmp_path / "par" / "runs.csv").read_text().splitlines()
+    assert [row.split(",")[:3] for row in par] == [row.split(",")[:3] for row in lines[:3]]
+    assert (tmp_path / "par" / "w64_t768.log").stat().st_size > 0
     assert (out / "fit.png").stat().st_size > 0 and json.loads((out / "fit.json").read_text())["runs"] == 6
     dumps = [out / f"w{dim}_t{tokens}" for dim in (64, 128) for tokens in (768, 1536, 2560)]
     assert main(["fit", "--runs", *map(str, dumps)]) == 0

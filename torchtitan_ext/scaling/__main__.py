@@ -3,7 +3,7 @@
     python -m torchtitan_ext.scaling fit (--input runs.csv | --runs DUMP ...) [--flops C] [--predict N,D]
                                          [--plot PNG]
     python -m torchtitan_ext.scaling sweep --config FILE --widths DIM ... --tokens D ... [--out DIR] [--nproc N]
-                                           [--fit] [--dry-run] [-- --section.key value ...]
+                                           [--parallel N] [--fit] [--dry-run] [-- --section.key value ...]
 
 fit: L(N, D) = E + A / N^alpha + B / D^beta (Hoffmann et al. 2022), a Huber loss on log residuals minimised from
 a grid of starting points; prints E, A, alpha, B, beta as JSON, with --flops the compute-optimal N and D of
@@ -60,6 +60,9 @@ def parser() -> cli.ArgumentParser:
                        help="folder of the runs' dump folders and runs.csv (default: outputs/scaling)")
     sweep.add_argument("--nproc", action=cli.OptionValue, type=cli.positive_whole, default=1, metavar="N",
                        help="processes per run (> 1: torch.distributed.run --standalone; default: 1)")
+    sweep.add_argument("--parallel", action=cli.OptionValue, type=cli.positive_whole, default=1, metavar="N",
+                       help="runs at once (small models share a GPU; default: 1). Each run's output then goes "
+                            "to OUT/w{dim}_t{tokens}.log")
     sweep.add_argument("--fit", action="store_true", help="fit the law afterwards: OUT/fit.json, OUT/fit.png")
     sweep.add_argument("--dry-run", action="store_true", help="print the trainer commands, run nothing")
     return p
@@ -84,7 +87,7 @@ def _sweep(ns: argparse.Namespace, overrides: list[str]) -> None:
     if ns.dry_run:
         print("\n".join(job.shell() for job in plan))
         return
-    runs = run_sweep(plan)
+    runs = run_sweep(plan, ns.parallel)
     out = Path(ns.out)
     write_csv(out / "runs.csv", runs)
     print(f"wrote {out / 'runs.csv'} ({len(runs)} runs)")

@@ -1,5 +1,6 @@
-"""A grid of small runs for a scaling-law fit, one after another on this machine: each width (``model.dim``)
-with each token budget (``training.steps`` of the config's global batch), the rest of the job as configured.
+"""A grid of small runs for a scaling-law fit on this machine (one after another, or several at once): each
+width (``model.dim``) with each token budget (``training.steps`` of the config's global batch), the rest of the
+job as configured.
 
 A width keeps the config's shape: heads of the same head_dim (n_heads = dim x n_heads / dim of the config,
 which is dim // head_dim when head_dim is dim / n_heads), the same queries per K/V head where the head count
@@ -14,6 +15,7 @@ import shlex
 import subprocess
 import sys
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,21 +98,30 @@ def plan_sweep(job_argv: Sequence[str], widths: Sequence[int], budgets: Sequence
     return runs
 
 
-def run_sweep(plan: Sequence[PlannedRun]) -> list[Run]:
-    """Run each planned job in turn (its console output passes through) and read back its result; a run whose
-    dump already holds a validation loss at its last step is read, not rerun, so a stopped sweep continues."""
-    results = []
-    for i, job in enumerate(plan, 1):
-        if _finished(job):
-            log.info(f"sweep {i}/{len(plan)}: {job.folder} finished before, read back")
-        else:
-            log.info(f"sweep {i}/{len(plan)}: {job.folder}: dim {job.dim}, N = {job.params:,}, {job.steps} steps")
-            code = subprocess.run(job.command).returncode
+def run_sweep(plan: Sequence[PlannedRun], parallel: int = 1) -> list[Run]:
+    """Run the planned jobs, ``parallel`` at a time (small models leave a GPU mostly idle, so several can share
+    it), and read back their results in plan order. One at a time, a run's console output passes through;
+    several at a time, each writes it to ``<its dump folder>.log`` beside the folder. A run whose dump already
+    holds a validation loss at its last step is read, not rerun, so a stopped sweep continues."""
+    todo = [job for job in plan if not _finished(job)]
+    for job in plan:
+        if job not in todo:
+            log.info(f"sweep: {job.folder} finished before, read back")
+    with ThreadPoolExecutor(max(1, parallel)) as pool:
+        for job, code in zip(todo, pool.map(lambda job: _train(job, parallel > 1), todo), strict=True):
             if code != 0:
                 raise ScalingError(f"{job.folder}: the trainer exited with code {code} (its log: "
                                    f"{job.folder / 'logs' / 'rank-0.log'})")
-        results.append(read_dump(job.folder))
-    return results
+    return [read_dump(job.folder) for job in plan]
+
+
+def _train(job: PlannedRun, to_file: bool) -> int:
+    log.info(f"sweep: {job.folder}: dim {job.dim}, N = {job.params:,}, {job.steps} steps")
+    if not to_file:
+        return subprocess.run(job.command).returncode
+    job.folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(job.folder.with_name(job.folder.name + ".log"), "w") as out:
+        return subprocess.run(job.command, stdout=out, stderr=subprocess.STDOUT).returncode
 
 
 def _finished(job: PlannedRun) -> bool:
