@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -50,6 +51,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from torchtitan_ext.checkpoint.run_folder import os_error_text, unique, utc_stamp
 from torchtitan_ext.config.job_config import CheckpointSection
+from torchtitan_ext.config.loader import ConfigError
 from torchtitan_ext.errors import UserError
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -120,6 +122,18 @@ def _os_error(e: BaseException) -> OSError | None:
                 return exc
     cause = e.__cause__ or e.__context__
     return _os_error(cause) if cause is not None else None
+
+
+def load_on_one_process(state: dict, checkpoint: Path, advice: str = "name an earlier step-N folder") -> None:
+    """``dcp.load`` of ``state`` (the whole model, or any subset of the checkpoint's tensors) by one process
+    without a process group, as the tools read a run's checkpoint; a truncated or missing shard or a bad
+    pickle is one line naming the folder, followed by ``advice``."""
+    with warnings.catch_warnings():  # one process reading every rank's shards is the intent here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        try:
+            dcp.load(state, checkpoint_id=str(checkpoint))
+        except (Exception, CheckpointException) as e:
+            raise ConfigError(f"{checkpoint}: cannot read this checkpoint ({unreadable_reason(e)}); {advice}") from e
 
 
 def unreadable_reason(e: BaseException) -> str:

@@ -7,14 +7,11 @@ with their global shapes, so a checkpoint saved under any layout loads into the 
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
-from torchtitan_ext.checkpoint.manager import complete_steps, unreadable_reason
+from torchtitan_ext.checkpoint.manager import complete_steps, load_on_one_process
 from torchtitan_ext.config.job_config import JobConfig
 from torchtitan_ext.config.loader import ConfigError, parse_args
 from torchtitan_ext.data.registry import build_tokenizer
@@ -79,12 +76,6 @@ def load_trained(path: str | Path, device: str | torch.device = "cpu", cfg: JobC
         model = Decoder(args)
     model.init_buffers(device)
     state = {k: v for k, v in model.state_dict().items()}
-    with warnings.catch_warnings():  # one process reading every shard is the intent here
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        try:
-            dcp.load({"model": state}, checkpoint_id=str(ckpt))
-        except (Exception, CheckpointException) as e:  # a truncated or missing shard, a bad pickle
-            raise ConfigError(f"{ckpt}: cannot read this checkpoint ({unreadable_reason(e)}); name an earlier "
-                              f"step-N folder or set checkpoint.load_step") from e
+    load_on_one_process({"model": state}, ckpt, "name an earlier step-N folder or set checkpoint.load_step")
     model.load_state_dict(state)
     return model.to(dtype).eval(), tok, cfg, ckpt

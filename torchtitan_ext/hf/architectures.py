@@ -107,6 +107,11 @@ class HFLayout:
     reason: str = ""  # why no transformers class computes the model (custom architecture only)
 
 
+def stacked(names: tuple[str, ...]) -> bool:
+    """Whether our tensor is written as one transformers tensor per expert (ours stacks them along dim 0)."""
+    return len(names) > 1
+
+
 def _custom_reason(a: ModelArgs) -> str:
     """The first feature of ``a`` that no native class computes, or "" when one does."""
     checks = [(a.activation != "swiglu", f"squared ReLU (activation = {a.activation!r})"),

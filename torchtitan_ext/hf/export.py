@@ -17,17 +17,15 @@ import json
 import logging
 import os
 import shutil
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
-from torchtitan_ext.checkpoint.manager import unreadable_reason
+from torchtitan_ext.checkpoint.manager import load_on_one_process, unreadable_reason
 from torchtitan_ext.config.loader import ConfigError
-from torchtitan_ext.hf.architectures import ExportError, HFLayout, hf_layout, remote_code_files
+from torchtitan_ext.hf.architectures import ExportError, HFLayout, hf_layout, remote_code_files, stacked
 from torchtitan_ext.hf.safetensors_io import plan_shards, shard_files, write_index, write_shard
 from torchtitan_ext.models.args import ModelArgs
 from torchtitan_ext.models.decoder import Decoder
@@ -70,11 +68,6 @@ def _size_text(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
     return f"{n} bytes"
-
-
-def stacked(names: tuple[str, ...]) -> bool:
-    """Whether our tensor is written as one transformers tensor per expert (ours stacks them along dim 0)."""
-    return len(names) > 1
 
 
 def _target_dtype(dtype: torch.dtype, stored: torch.dtype) -> torch.dtype:
@@ -173,22 +166,11 @@ def export_model(model: Decoder, output: str | Path, *, dtype: torch.dtype = tor
     return _write_folder(out, layout, model.args, sources, fetch, dtype, max_shard_size, tokenizer)
 
 
-def _load(state: dict[str, torch.Tensor], checkpoint: Path) -> None:
-    """A partial ``dcp.load`` on one process (the checkpoint's other tensors are not read)."""
-    with warnings.catch_warnings():  # one process reading every rank's shards is the intent here
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        try:
-            dcp.load(state, checkpoint_id=str(checkpoint))
-        except (Exception, CheckpointException) as e:  # a truncated or missing shard, a bad pickle
-            raise ConfigError(f"{checkpoint}: cannot read this checkpoint ({unreadable_reason(e)}); name an "
-                              f"earlier step-N folder") from e
-
-
 def _check_ema(checkpoint: Path, metadata: dict) -> None:
     if "ema.started" not in metadata:
         raise ExportError(f"--weights ema: {checkpoint} holds no EMA (the run had no ema.decay)")
     started = {"ema.started": torch.tensor(0)}
-    _load(started, checkpoint)
+    load_on_one_process(started, checkpoint)
     if not int(started["ema.started"]):
         raise ExportError(f"--weights ema: the EMA in {checkpoint} had not started yet (ema.start_step)")
 
@@ -226,7 +208,7 @@ def export_checkpoint(checkpoint: str | Path, args: ModelArgs, output: str | Pat
 
     def fetch(keys: list[str]) -> dict[str, torch.Tensor]:
         state = {where[k]: torch.empty(sources[k][0], dtype=_target_dtype(dtype, sources[k][1])) for k in keys}
-        _load(state, checkpoint)
+        load_on_one_process(state, checkpoint)
         return {k: state[where[k]] for k in keys}
 
     return _write_folder(out, layout, args, sources, fetch, dtype, max_shard_size, tokenizer)

@@ -16,8 +16,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from torchtitan_ext.hf.architectures import ExportError, args_from_config, hf_layout
-from torchtitan_ext.hf.export import stacked
+from torchtitan_ext.hf.architectures import ExportError, args_from_config, hf_layout, stacked
 from torchtitan_ext.hf.safetensors_io import SafetensorsReader
 from torchtitan_ext.models.args import ModelArgs
 from torchtitan_ext.models.decoder import Decoder
@@ -62,12 +61,12 @@ def _box(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...
 def _fill(parts: list[nn.Module], reader: SafetensorsReader, names: dict[str, tuple[str, ...]]) -> int:
     """Copy each part's slices from the folder; returns how many tensors of the parts the folder did not
     cover (left as they are)."""
-    targets = [(key, t) for part in parts for key, t in part.state_dict(keep_vars=True).items()
-               if names.get(_fqn(key))]
+    state = [(key, t) for part in parts for key, t in part.state_dict(keep_vars=True).items()]
+    targets = [(key, t) for key, t in state if names.get(_fqn(key))]
     missing = sorted({n for key, _ in targets for n in names[_fqn(key)] if n not in reader.shapes})
     if missing:
         raise ExportError(f"{reader.folder}: no tensor {missing[0]} ({len(missing)} tensors missing)")
-    skipped = sum(1 for part in parts for key in part.state_dict() if not names.get(_fqn(key)))
+    skipped = len(state) - len(targets)
     with torch.no_grad():
         for key, t in targets:
             fqn = _fqn(key)

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 
+from torchtitan_ext.checkpoint.manager import load_on_one_process
 from torchtitan_ext.cli import exit_now, run_tool
 from torchtitan_ext.config.loader import ConfigError
 from torchtitan_ext.eval.load import load_trained
@@ -31,9 +31,7 @@ def _load_ema(model: torch.nn.Module, checkpoint: Path) -> bool:
         return False
     shadow = {f"shadow.{n}": torch.empty_like(p, dtype=torch.float32) for n, p in model.named_parameters()}
     state = {"ema": {"started": torch.tensor(0), **shadow}}
-    with warnings.catch_warnings():  # one process reading every shard is the intent here
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(checkpoint))
+    load_on_one_process(state, checkpoint)
     if not int(state["ema"]["started"]):
         return False
     with torch.no_grad():
