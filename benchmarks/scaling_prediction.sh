@@ -1,38 +1,74 @@
 #!/usr/bin/env bash
 # Scaling-law prediction measured (issue 29): fit L(N, D) on a sweep of small runs, each with at most 1/10 of
-# the target run's compute (C = 6 N D), predict the target's final validation loss, train the target, compare.
-# Every run goes through `python -m torchtitan_ext.scaling sweep` (-> `python -m torchtitan_ext.train`) on one GPU.
+# the target run's compute (C = 6 N D, N non-embedding), predict the target's final validation loss, train the
+# target, compare. Every run goes through `python -m torchtitan_ext.scaling sweep` (-> `python -m
+# torchtitan_ext.train`); all of them share one GPU at once (the losses do not depend on the timing).
+#
+# Data: the corpus benchmarks/make_corpus.py made (carried in bench_data/; 23M training tokens, 1M validation
+# tokens held out by document, a 512-piece BPE), so the target's 16M tokens are one pass: no run repeats data.
 # The AdamW learning rate follows the width as the standard-parametrization sweep measured it
 # (benchmarks/mup_lr_transfer.py: best 2^-8 at width 256, 2^-10 at 1024): lr = 2^-8 x 256 / width.
-# Usage on the GPU machine, from the repository root: benchmarks/scaling_prediction.sh [OUT_DIR] [-- overrides]
-# (SMALL_TOKENS="..." TARGET_TOKENS=... shrink the budgets for a smoke test on a CPU)
-#   small: widths 128 256 384 x tokens 2M 4M 6M (the largest: 6 x 7.1M x 6M = 2.5e14 FLOPs)
+# The small runs reach the target's token count at the small widths, so the fit extrapolates in N only.
+#
+# Usage on the GPU machine, from the repository root:
+#   benchmarks/scaling_prediction.sh [OUT_DIR] [-- trainer overrides]
+#   env CORPUS (bench_data/code_doc_bpe512); SCALE (1: the token budgets below; 0.01 on a CPU smoke test)
+#   small: 128 and 192 x 2M 4M 8M 16M; 256 x 2M 4M 8M 14M; 384 x 2M 4M 6M; 512 x 1.5M 3M
+#          (the largest: 6 x 7.08M x 6M = 2.5e14 FLOPs)
 #   target: width 768, 16M tokens (6 x 28.3M x 16M = 2.7e15 FLOPs)
 set -uo pipefail
 OUT="${1:-/tmp/scaling_prediction}"
 shift $(( $# > 0 ? 1 : 0 ))
 [ "${1:-}" = "--" ] && shift
-COMMON=(--training.local_batch_size 32 --training.seq_len 256 --lr_scheduler.warmup_steps 50
-        --checkpoint.enabled false --metrics.tensorboard false --metrics.log_freq 100 --eval.steps 20 "$@")
+CORPUS="${CORPUS:-bench_data/code_doc_bpe512}"
+SCALE="${SCALE:-1}"
+[ -f "$CORPUS/tokenizer.model" ] || { echo "no corpus in $CORPUS: run benchmarks/make_corpus.py and carry it"; exit 1; }
+COMMON=(--data.dataset shards --data.train_path "$CORPUS/train_*.bin" --data.val_path "$CORPUS/val_*.bin"
+        --data.tokenizer "$CORPUS/tokenizer.model" --training.local_batch_size 32 --training.seq_len 256
+        --lr_scheduler.warmup_steps 50 --checkpoint.enabled false --metrics.tensorboard false
+        --metrics.log_freq 200 --eval.steps 40 "$@")
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 t0=$SECONDS
-sweep() {  # sweep NAME WIDTH TOKENS...: one width's runs, at its learning rate
-    local name=$1 width=$2; shift 2
+tokens() { python3 -c "import sys; print(*(int(float(t) * $SCALE) for t in sys.argv[1:]))" "$@"; }
+sweep() {  # sweep NAME WIDTH PARALLEL TOKENS...: one width's runs at its learning rate
+    local name=$1 width=$2 parallel=$3; shift 3
     local lr
     lr=$(python3 -c "print(2 ** -8 * 256 / $width)")
-    python3 -m torchtitan_ext.scaling sweep --config train_configs/debug.toml --widths "$width" --tokens "$@" \
-        --out "$OUT/$name" -- "${COMMON[@]}" --optimizer.lr "$lr" > "$OUT/$name.log" 2>&1 \
-        || { echo "sweep $name failed:"; tail -n 20 "$OUT/$name.log"; exit 1; }
-    echo "$name (width $width, lr $lr): $((SECONDS - t0)) s"
+    # shellcheck disable=SC2046
+    python3 -m torchtitan_ext.scaling sweep --config train_configs/debug.toml --widths "$width" \
+        --tokens $(tokens "$@") --parallel "$parallel" --out "$OUT/$name" -- "${COMMON[@]}" --optimizer.lr "$lr" \
+        > "$OUT/$name.log" 2>&1 || { echo "sweep $name failed:"; tail -n 20 "$OUT/$name.log"; return 1; }
+    echo "$name (width $width, lr $lr): done at $((SECONDS - t0)) s"
 }
-for w in 128 256 384; do sweep "small_w$w" "$w" ${SMALL_TOKENS:-2e6 4e6 6e6}; done
-{ head -n 1 "$OUT/small_w128/runs.csv"; for w in 128 256 384; do tail -n +2 "$OUT/small_w$w/runs.csv"; done; } \
+# The tokenizer's vocabulary is checked and the shards scanned once, before the runs start at once.
+python3 -m torchtitan_ext.train --config train_configs/debug.toml "${COMMON[@]}" --training.steps 1 \
+    --job.dump_folder "$OUT/warmup" > "$OUT/warmup.log" 2>&1 || { tail -n 20 "$OUT/warmup.log"; exit 1; }
+pids=()
+sweep target 768 1 16e6 & pids+=($!)
+sweep small_w128 128 2 2e6 4e6 8e6 16e6 & pids+=($!)
+sweep small_w192 192 2 2e6 4e6 8e6 16e6 & pids+=($!)
+sweep small_w256 256 2 2e6 4e6 8e6 14e6 & pids+=($!)
+sweep small_w384 384 3 2e6 4e6 6e6 & pids+=($!)
+sweep small_w512 512 2 1.5e6 3e6 & pids+=($!)
+failed=0
+for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+(( failed )) && exit 1
+{ head -n 1 "$OUT/small_w128/runs.csv"; for w in 128 192 256 384 512; do tail -n +2 "$OUT/small_w$w/runs.csv"; done; } \
     > "$OUT/runs.csv"
 cat "$OUT/runs.csv"
-python3 -m torchtitan_ext.scaling fit --input "$OUT/runs.csv" --plot "$OUT/fit.png" > "$OUT/fit_only.json"
-sweep target 768 "${TARGET_TOKENS:-1.6e7}"
 target=$(tail -n 1 "$OUT/target/runs.csv")
 echo "target run (params,tokens,loss,run): $target"
 n=$(echo "$target" | cut -d, -f1); d=$(echo "$target" | cut -d, -f2)
-python3 -m torchtitan_ext.scaling fit --input "$OUT/runs.csv" --predict "$n,$d" --flops 2.7e15 | tee "$OUT/fit.json"
+python3 -m torchtitan_ext.scaling fit --input "$OUT/runs.csv" --predict "$n,$d" --plot "$OUT/fit.png" \
+    > "$OUT/fit.json" || exit 1
+cat "$OUT/fit.json"
+python3 -m torchtitan_ext.scaling fit --input "$OUT/runs.csv" --flops 2.7e15  # the compute-optimal split
+python3 - "$OUT/fit.json" "$target" <<'EOF'
+import json, sys
+fit, measured = json.load(open(sys.argv[1])), float(sys.argv[2].split(",")[2])
+predicted = fit["prediction"]["loss"] if isinstance(fit.get("prediction"), dict) else fit["prediction"]
+print(json.dumps({"predicted": round(predicted, 4), "measured": round(measured, 4),
+                  "miss_percent": round(100 * (predicted - measured) / measured, 2)}))
+EOF
+echo "total: $((SECONDS - t0)) s"

@@ -59,7 +59,7 @@ CASES = {
                          CUSTOM_ARCHITECTURE),
     "mixtral_unnormalised": (dict(n_experts=4, top_k=2, renormalize_gates=False), CUSTOM_ARCHITECTURE),
     "llama3_partial_rope": (dict(rope_fraction=0.5, **LLAMA3), CUSTOM_ARCHITECTURE),
-    "mup": (dict(parametrization="mup", mup_base_dim=32), CUSTOM_ARCHITECTURE),
+    "mup": (dict(parametrization="mup", mup_base_dim=32, mup_base_head_dim=4), CUSTOM_ARCHITECTURE),
     "everything": (EVERYTHING, CUSTOM_ARCHITECTURE),
 }
 
@@ -322,7 +322,7 @@ def test_every_model_field_is_mapped():
         "rope_high_freq_factor", "rope_original_max_seq_len", "rope_fraction", "nope_every", "qk_norm", "norm_eps",
         "tie_embeddings", "logit_softcap", "residual_scalars", "n_experts", "top_k", "moe_hidden", "moe_every",
         "shared_expert", "renormalize_gates", "aux_loss_coef", "router_z_loss_coef", "bias_update_rate",
-        "kv_share", "kv_share_group", "parametrization", "mup_base_dim"}
+        "kv_share", "kv_share_group", "parametrization", "mup_base_dim", "mup_base_head_dim"}
 
 
 def test_remote_code_is_self_contained():

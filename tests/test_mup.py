@@ -22,7 +22,7 @@ from torchtitan_ext.mup import run_coord_check
 from torchtitan_ext.mup.coord_check.__main__ import main as coord_check_main
 from torchtitan_ext.ops.attention import attention
 from torchtitan_ext.ops.visibility import document_visibility, visibility_mask
-from torchtitan_ext.train.optim import Optimizers
+from torchtitan_ext.train.optim import Optimizers, lr_scale
 
 # A 2-layer model with 16-dim heads on the byte-tokenized built-in corpus; widths 64..512 (8x) around base 64.
 CHECK = ["--model.flavor", "debug", "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4",
@@ -79,9 +79,10 @@ def test_coord_check_cli(tmp_path, capsys):
 
 
 def _args(**kw) -> ModelArgs:
-    """A small model at 4x its muP base width (64 over 16)."""
+    """A small model at 4x its muP base width (64 over 16), its 4 heads' head_dim grown with it (4 -> 16)."""
     return ModelArgs(**{**dict(vocab_size=97, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=96,
-                               max_seq_len=48, rope_theta=500.0, parametrization="mup", mup_base_dim=16), **kw})
+                               max_seq_len=48, rope_theta=500.0, parametrization="mup", mup_base_dim=16,
+                               mup_base_head_dim=4), **kw})
 
 
 def _random_model(args: ModelArgs, options: ComputeOptions = PLAIN, seed: int = 0) -> Decoder:
@@ -133,7 +134,30 @@ def test_bad_parametrization_is_one_line():
     with pytest.raises(ValueError, match="^parametrization = 'ntk'"):
         _args(parametrization="ntk").validate()
     assert _args(mup_base_dim=0).width_mult == 1.0 and _args(parametrization="standard").width_mult == 1.0
-    assert _args().width_mult == 4.0 and _args().output_multiplier == 0.25 and _args().attention_scale == 1 / 16
+    assert _args().width_mult == 4.0 and _args().output_multiplier == 0.25 and _args().attention_scale == 2 / 16
+    with pytest.raises(ValueError, match="^mup_base_head_dim = -1"):
+        _args(mup_base_head_dim=-1).validate()
+    with pytest.raises(ConfigError, match="model.mup_base_head_dim"):
+        parse_args(["--model.mup_base_head_dim", "-2"])
+
+
+def test_mup_at_its_base_width_is_the_standard_model():
+    """At the base width (and the base head_dim, the default) muP changes nothing: the same initial weights,
+    the same logits in float64 (the attention multiplier sqrt(base head_dim) makes its sqrt(hd) / hd the
+    standard 1 / sqrt(hd)) and learning-rate multipliers of one. Above the base, head_dim fixed (more heads),
+    the attention scale stays the standard one; with head_dim grown 4x it is half of it (1 / head_dim)."""
+    base = _args(dim=16, n_heads=1, n_kv_heads=1, ffn_hidden=24, mup_base_head_dim=0, qk_norm=True)
+    assert base.attention_scale == pytest.approx(16 ** -0.5) and base.width_mult == 1.0
+    standard = dataclasses.replace(base, parametrization="standard")
+    assert Decoder(base, PLAIN).init_plan() == Decoder(standard, PLAIN).init_plan()
+    mup, std = (_random_model(a).double() for a in (base, standard))
+    tokens = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(mup(tokens), std(tokens), rtol=1e-12, atol=1e-12)
+    for muon in (False, True):
+        assert {lr_scale(base, name, p, muon) for name, p in mup.named_parameters()} == {1.0}
+    wide_heads = _args(dim=64, n_heads=16, n_kv_heads=4, mup_base_head_dim=0)  # head_dim 4 at every width
+    assert wide_heads.attention_scale == pytest.approx(4 ** -0.5)
+    assert _args().attention_scale == pytest.approx(0.5 * 16 ** -0.5)
 
 
 @pytest.mark.parametrize("scale", [None, 1 / 16], ids=["standard", "mup"])
@@ -163,7 +187,7 @@ def test_attention_core_scale_against_float64(scale, masked, need_lse):
 @pytest.mark.parametrize("qk_norm, tie", [(False, False), (True, True)])
 def test_mup_decoder_equals_standard_with_folded_scales(qk_norm, tie):
     """A muP model equals a standard one whose weights absorb muP's two multipliers: the queries' (wq, or the
-    QK-norm weight) times sqrt(head_dim) / head_dim, the final norm's times base / dim (the head is linear,
+    QK-norm weight) times sqrt(base head_dim / head_dim), the final norm's times base / dim (the head is linear,
     tied or not). It holds on every attention path Decoder.forward takes on CPU (causal SDPA, a visibility
     mask, the LSE metric, attention Z-reg's differentiable LSE), so each applies the scale."""
     args = _args(qk_norm=qk_norm, tie_embeddings=tie)
@@ -176,7 +200,8 @@ def test_mup_decoder_equals_standard_with_folded_scales(qk_norm, tie):
     assert not torch.allclose(mup(tokens), folded(tokens), rtol=1e-3)
     with torch.no_grad():
         for block in folded.layers.values():
-            (block.attention.q_norm.weight if qk_norm else block.attention.wq.weight).mul_(args.hdim ** -0.5)
+            (block.attention.q_norm.weight if qk_norm else block.attention.wq.weight).mul_(
+                (args.mup_base_head_dim / args.hdim) ** 0.5)
         folded.norm.weight.mul_(args.output_multiplier)
     torch.testing.assert_close(mup(tokens), folded(tokens))
     start, limit = (x.expand(2, 24) for x in document_visibility([10, 14]))

@@ -86,11 +86,14 @@ class ModelSection:
                         choices=("", "none", "interleaved"))
     kv_share_group: int = opt(-1, "-1: the flavor's; else layers per KV-sharing group (>= 1)", min=-1)
     parametrization: str = opt("", "empty: the flavor's; standard, or mup (Maximal Update Parametrization: "
-                               "init, lrs, attention 1 / head_dim and logits x mup_base_dim / dim scaled with "
-                               "width, so hyperparameters tuned at mup_base_dim carry over to other widths)",
+                               "init, lrs, attention sqrt(base head_dim) / head_dim and logits x mup_base_dim / "
+                               "dim scaled with width, so hyperparameters tuned at mup_base_dim carry over to "
+                               "other widths)",
                                choices=("", "standard", "mup"))
     mup_base_dim: int = opt(0, "0: the flavor's (its own, or dim: no width scaling); else the width (dim) the "
                             "hyperparameters were tuned at; used by parametrization = mup only", min=0)
+    mup_base_head_dim: int = opt(0, "0: the flavor's (its own, or head_dim: widths add heads); else the head_dim "
+                                 "at mup_base_dim, when widths grow the heads instead; muP only", min=0)
 
 
 @dataclass
@@ -270,15 +273,20 @@ class CommSection:
 @dataclass
 class Float8Section:
     enabled: bool = opt(False, "torchao float8 linears (H100 / compute capability >= 8.9)")
-    recipe: str = opt("tensorwise", "scaling recipe", choices=("tensorwise", "rowwise", "rowwise_with_gw_hp"))
+    recipe: str = opt("tensorwise", "scaling recipe (blockwise: DeepSeek-V3's 1x128 / 128x128 block scales, "
+                      "Hopper, no TP)", choices=("tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise"))
     filter_fqns: list = opt(["output"], "modules whose FQN contains one of these stay in bf16")
     include_output: bool = opt(False, "the output head in float8 too, whatever filter_fqns says (under TP: "
                                "each rank's vocabulary shard); not with training.fused_linear_ce")
-    min_dim: int = opt(64, "linears with in/out features below this (or not divisible by 16) stay in "
-                       "bf16", min=16)
+    min_dim: int = opt(64, "linears with in/out features below this (or not divisible by 16; by 128 for "
+                       "blockwise) stay in bf16", min=16)
+    blockwise_gemm: str = opt("cublas", "blockwise recipe's GEMMs: cuBLAS block-scaled torch._scaled_mm, or "
+                              "torchao's Triton kernels", choices=("cublas", "triton"))
     enable_fsdp_float8_all_gather: bool = opt(False, "all-gather FSDP params in float8 (tensorwise)")
     precompute_float8_dynamic_scale_for_fsdp: bool = opt(False, "one fused amax for all params "
                                                          "(tensorwise, FSDP float8 all-gather)")
+    experts: bool = opt(False, "MoDE experts' grouped GEMMs in float8 rowwise (H100; token groups padded to 16 "
+                        "rows); needs float8.enabled")
 
 
 @dataclass

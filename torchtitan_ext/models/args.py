@@ -58,6 +58,7 @@ class ModelArgs:
     # mup_base_dim carry over to other widths (decoder.py: init, attention scale, logits; train/optim.py: lrs).
     parametrization: str = "standard"
     mup_base_dim: int = 0  # the width the hyperparameters were tuned at; 0: dim (no width scaling); muP only
+    mup_base_head_dim: int = 0  # the head_dim at mup_base_dim; 0: head_dim (the heads' count grows with width)
 
     @property
     def kv_heads(self) -> int:
@@ -85,9 +86,14 @@ class ModelArgs:
 
     @property
     def attention_scale(self) -> float | None:
-        """The softmax's logit scale: None (1 / sqrt(head_dim)), or muP's 1 / head_dim (q and k become
-        correlated during training, so their dot product grows like head_dim, not its square root)."""
-        return 1.0 / self.hdim if self.parametrization == "mup" else None
+        """The softmax's logit scale: None (1 / sqrt(head_dim)), or muP's sqrt(base_head_dim) / head_dim: q and k
+        become correlated during training, so their dot product grows like head_dim, not its square root. The
+        multiplier sqrt(base_head_dim) makes the base model's scale the standard one, so a base model tuned
+        either way is the same model (a bare 1 / head_dim flattens the attention 8x at head_dim 64, and with
+        QK-norm holding q and k at unit RMS it trained 0.3 nats worse: benchmarks/RESULTS.md, muP)."""
+        if self.parametrization != "mup":
+            return None
+        return (self.mup_base_head_dim or self.hdim) ** 0.5 / self.hdim
 
     @property
     def output_multiplier(self) -> float:
@@ -144,3 +150,5 @@ class ModelArgs:
             raise ValueError(f"parametrization = {self.parametrization!r}: expected 'standard' or 'mup'")
         if self.mup_base_dim < 0:
             raise ValueError(f"mup_base_dim = {self.mup_base_dim}: expected >= 0")
+        if self.mup_base_head_dim < 0:
+            raise ValueError(f"mup_base_head_dim = {self.mup_base_head_dim}: expected >= 0")

@@ -25,7 +25,7 @@ class TorchtitanExtConfig(PretrainedConfig):
                  moe_every: int = 1, shared_expert: bool = False, norm_topk_prob: bool = True,
                  aux_loss_coef: float = 0.01, router_z_loss_coef: float = 0.001, bias_update_rate: float = 0.0,
                  kv_share: str = "none", kv_share_group: int = 2, parametrization: str = "standard",
-                 mup_base_dim: int = 0, use_cache: bool = True, **kwargs):
+                 mup_base_dim: int = 0, mup_base_head_dim: int = 0, use_cache: bool = True, **kwargs):
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -56,9 +56,10 @@ class TorchtitanExtConfig(PretrainedConfig):
         self.bias_update_rate = bias_update_rate  # > 0: expert_bias takes part in choosing the experts
         self.kv_share = kv_share  # "interleaved": layers reuse their group's first layer's keys and values
         self.kv_share_group = kv_share_group
-        # "mup": attention logits scaled by 1 / head_dim (not its square root), the head's input by
-        # mup_base_dim / hidden_size (when mup_base_dim > 0)
+        # "mup": attention logits scaled by sqrt(mup_base_head_dim or head_dim) / head_dim (not 1 / its square
+        # root), the head's input by mup_base_dim / hidden_size (when mup_base_dim > 0)
         self.parametrization = parametrization
         self.mup_base_dim = mup_base_dim
+        self.mup_base_head_dim = mup_base_head_dim
         self.use_cache = use_cache
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)

@@ -10,8 +10,9 @@ that is not first in its group reuses the first layer's normalised, rotated keys
 SwiGLU, squared ReLU, or MoDE: a float32 softmax router choosing the top-k experts (an ``expert_bias`` added
 for the choice only when ``bias_update_rate > 0``), gates renormalised over the chosen when
 ``norm_topk_prob``, plus an optional ungated shared expert. The head may be tied to the embedding and its
-logits soft-capped. Under muP (``parametrization = "mup"``) attention scales its logits by 1 / head_dim
-instead of 1 / sqrt(head_dim), and the head's input is multiplied by mup_base_dim / hidden_size.
+logits soft-capped. Under muP (``parametrization = "mup"``) attention scales its logits by
+sqrt(mup_base_head_dim) / head_dim instead of 1 / sqrt(head_dim), and the head's input is multiplied by
+mup_base_dim / hidden_size.
 """
 
 import math
@@ -66,7 +67,8 @@ class Attention(nn.Module):
         super().__init__()
         dim, hd, kv_heads = config.hidden_size, config.head_dim, config.num_key_value_heads
         self.layer, self.head_dim = layer, hd
-        self.scale = 1.0 / hd if config.parametrization == "mup" else None  # None: 1 / sqrt(head_dim)
+        base_hd = getattr(config, "mup_base_head_dim", 0) or hd
+        self.scale = base_hd ** 0.5 / hd if config.parametrization == "mup" else None  # None: 1 / sqrt(hd)
         nope = config.nope_every and layer % config.nope_every == config.nope_every - 1
         self.use_rope = rope_dims(config) > 0 and not nope
         self.computes_kv = config.kv_share == "none" or layer % config.kv_share_group == 0
