@@ -4,24 +4,27 @@
 # target, compare. Every run goes through `python -m torchtitan_ext.scaling sweep` (-> `python -m
 # torchtitan_ext.train`); all of them share one GPU at once (the losses do not depend on the timing).
 #
-# Data: the corpus benchmarks/make_corpus.py made (carried in bench_data/; 23M training tokens, 1M validation
-# tokens held out by document, a 512-piece BPE), so the target's 16M tokens are one pass: no run repeats data.
-# The AdamW learning rate follows the width as the standard-parametrization sweep measured it
-# (benchmarks/mup_lr_transfer.py: best 2^-8 at width 256, 2^-10 at 1024): lr = 2^-8 x 256 / width.
-# The small runs reach the target's token count at the small widths, so the fit extrapolates in N only.
+# Data: a corpus made by benchmarks/make_corpus.py (CORPUS; a 512-piece BPE): on the GPU machine, from the text
+# found there with the carried tokenizer (`make_corpus.py --out DIR` over a DIR holding tokenizer.model), big
+# enough that no run repeats data. The AdamW learning rate follows the width as the standard-parametrization
+# sweep measured it (benchmarks/mup_lr_transfer.py: best 2^-8 at width 256, 2^-10 at 1024): lr = 2^-8 x 256 /
+# width. The target trains about 20 tokens per parameter (compute-optimal by Chinchilla's rule of thumb), the
+# regime the law describes; the small runs lie on both sides of that ratio.
 #
 # Usage on the GPU machine, from the repository root:
 #   benchmarks/scaling_prediction.sh [OUT_DIR] [-- trainer overrides]
-#   env CORPUS (bench_data/code_doc_bpe512); SCALE (1: the token budgets below; 0.01 on a CPU smoke test)
-#   small: 128 and 192 x 2M 4M 8M 16M; 256 x 2M 4M 8M 14M; 384 x 2M 4M 6M; 512 x 1.5M 3M
-#          (the largest: 6 x 7.08M x 6M = 2.5e14 FLOPs)
-#   target: width 768, 16M tokens (6 x 28.3M x 16M = 2.7e15 FLOPs)
+#   env CORPUS (bench_data/code_doc_bpe512); SCALE (1: the token budgets below; 0.001 on a CPU smoke test)
+#   small (width:parallel:tokens): SMALL, default 64 x 4M 8M 16M 32M; 128 x 4M 8M 16M 32M;
+#          192 x 2M 4M 8M 16M 24M (the largest: 6 x 1.72M x 24M = 2.5e14 FLOPs)
+#   target: TARGET, default width 320 (4.9M non-embedding parameters) x 100M tokens (2.9e15 FLOPs)
 set -uo pipefail
 OUT="${1:-/tmp/scaling_prediction}"
 shift $(( $# > 0 ? 1 : 0 ))
 [ "${1:-}" = "--" ] && shift
 CORPUS="${CORPUS:-bench_data/code_doc_bpe512}"
 SCALE="${SCALE:-1}"
+SMALL="${SMALL:-64:2:4e6,8e6,16e6,32e6 128:2:4e6,8e6,16e6,32e6 192:3:2e6,4e6,8e6,16e6,24e6}"
+TARGET="${TARGET:-320:100e6}"
 [ -f "$CORPUS/tokenizer.model" ] || { echo "no corpus in $CORPUS: run benchmarks/make_corpus.py and carry it"; exit 1; }
 COMMON=(--data.dataset shards --data.train_path "$CORPUS/train_*.bin" --data.val_path "$CORPUS/val_*.bin"
         --data.tokenizer "$CORPUS/tokenizer.model" --training.local_batch_size 32 --training.seq_len 256
@@ -45,25 +48,28 @@ sweep() {  # sweep NAME WIDTH PARALLEL TOKENS...: one width's runs at its learni
 python3 -m torchtitan_ext.train --config train_configs/debug.toml "${COMMON[@]}" --training.steps 1 \
     --job.dump_folder "$OUT/warmup" > "$OUT/warmup.log" 2>&1 || { tail -n 20 "$OUT/warmup.log"; exit 1; }
 pids=()
-sweep target 768 1 16e6 & pids+=($!)
-sweep small_w128 128 2 2e6 4e6 8e6 16e6 & pids+=($!)
-sweep small_w192 192 2 2e6 4e6 8e6 16e6 & pids+=($!)
-sweep small_w256 256 2 2e6 4e6 8e6 14e6 & pids+=($!)
-sweep small_w384 384 3 2e6 4e6 6e6 & pids+=($!)
-sweep small_w512 512 2 1.5e6 3e6 & pids+=($!)
+target_width=${TARGET%%:*}
+sweep target "$target_width" 1 "${TARGET#*:}" & pids+=($!)
+widths=()
+for spec in $SMALL; do  # WIDTH:PARALLEL:T1,T2,...
+    IFS=: read -r w par toks <<< "$spec"
+    widths+=("$w")
+    # shellcheck disable=SC2086
+    sweep "small_w$w" "$w" "$par" ${toks//,/ } & pids+=($!)
+done
 failed=0
 for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
 (( failed )) && exit 1
-{ head -n 1 "$OUT/small_w128/runs.csv"; for w in 128 192 256 384 512; do tail -n +2 "$OUT/small_w$w/runs.csv"; done; } \
-    > "$OUT/runs.csv"
+{ head -n 1 "$OUT/target/runs.csv"; for w in "${widths[@]}"; do tail -n +2 "$OUT/small_w$w/runs.csv"; done; } \
+    | tr -d '\r' > "$OUT/runs.csv"
 cat "$OUT/runs.csv"
-target=$(tail -n 1 "$OUT/target/runs.csv")
+target=$(tail -n 1 "$OUT/target/runs.csv" | tr -d '\r')
 echo "target run (params,tokens,loss,run): $target"
 n=$(echo "$target" | cut -d, -f1); d=$(echo "$target" | cut -d, -f2)
 python3 -m torchtitan_ext.scaling fit --input "$OUT/runs.csv" --predict "$n,$d" --plot "$OUT/fit.png" \
     > "$OUT/fit.json" || exit 1
 cat "$OUT/fit.json"
-python3 -m torchtitan_ext.scaling fit --input "$OUT/runs.csv" --flops 2.7e15  # the compute-optimal split
+python3 -m torchtitan_ext.scaling fit --input "$OUT/runs.csv" --flops "$(python3 -c "print(6 * $n * $d)")"  # its split
 python3 - "$OUT/fit.json" "$target" <<'EOF'
 import json, sys
 fit, measured = json.load(open(sys.argv[1])), float(sys.argv[2].split(",")[2])

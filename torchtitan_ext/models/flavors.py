@@ -12,6 +12,9 @@ FLAVORS: dict[str, ModelArgs] = {
     # Trains on a CPU in seconds; exercises every block feature except MoDE.
     "debug": ModelArgs(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=768, qk_norm=True,
                        rope_fraction=0.5, nope_every=4),
+    # The time-to-loss benchmark's size (train_configs/base_200m.toml, fast_200m.toml): a plain Llama block,
+    # 180M parameters in the blocks, the vocabulary the tokenizer's.
+    "200m": ModelArgs(dim=1024, n_layers=16, n_heads=16, n_kv_heads=4, ffn_hidden=2816),
     # Qwen3-0.6B-like: 128-dim heads (attention width 2048 > d_model), tied 152k vocabulary.
     "600m": ModelArgs(vocab_size=151936, dim=1024, n_layers=24, n_heads=16, n_kv_heads=8, head_dim=128,
                       ffn_hidden=4096, qk_norm=True, tie_embeddings=True, rope_theta=1000000.0,
