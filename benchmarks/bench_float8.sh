@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# One H100: the trainer on a llama3_8b-shaped model with fewer layers, compiled, in bf16 and with torchao
-# float8 tensorwise and rowwise. Phase 1: 30-step throughput runs. Phase 2 (when the time budget allows):
-# 300 steps of each on the same data (same seed) for the loss. Prints a table and writes summary.json.
+# One H100: the trainer on a llama3_8b-shaped model with fewer layers, compiled, in bf16 and with float8
+# tensorwise, rowwise (torchao Float8Linear) and blockwise (1x128 / 128x128 block scales,
+# quant/float8_blockwise.py). Phase 1: 30-step throughput runs of every variant. Phase 2 (when the time
+# budget allows): 300 steps of the LOSS_VARIANTS on the same data (same seed) for the loss. Prints a table
+# and writes summary.json. The defaults fit in about 9 minutes on one H100.
 #
 # Usage from the repository root:  benchmarks/bench_float8.sh [--smoke] [OUT_DIR]
-#   env: LAYERS (4) SEQ (4096) BATCH (2) LOSS_STEPS (300) BUDGET_S (480: phase 2 runs only if its
-#        predicted time fits what is left) PYTHON (python3)
+#   env: VARIANTS ("bf16 tensorwise rowwise blockwise") LOSS_VARIANTS ("bf16 blockwise": phase 2's runs)
+#        LAYERS (4) SEQ (4096) BATCH (2) LOSS_STEPS (300) BUDGET_S (500: phase 2 runs only if its predicted
+#        time fits what is left) PYTHON (python3)
 #   --smoke: the debug flavor on CPU in a minute, to check the script; the float8 runs must then be
 #            refused with the one-line error (no FP8 on CPU), which the table shows.
 # torchao comes from the wheel carried in .whl/ (the GPU machine has no package index).
@@ -40,9 +43,10 @@ if (( SMOKE )); then
 else
     SHAPE=(--model.n_layers "${LAYERS:-4}" --training.seq_len "${SEQ:-4096}"
            --training.local_batch_size "${BATCH:-2}")
-    STEPS1=30; LOSS_STEPS=${LOSS_STEPS:-300}; BUDGET_S=${BUDGET_S:-480}
+    STEPS1=30; LOSS_STEPS=${LOSS_STEPS:-300}; BUDGET_S=${BUDGET_S:-500}
 fi
-VARIANTS=(bf16 tensorwise rowwise)
+read -ra VARIANTS <<< "${VARIANTS:-bf16 tensorwise rowwise blockwise}"
+read -ra LOSS_VARIANTS <<< "${LOSS_VARIANTS:-bf16 blockwise}"
 flags() {  # the float8 overrides of a variant
     case $1 in
         bf16) echo "--float8.enabled false" ;;
@@ -59,16 +63,18 @@ run() {  # run NAME STEPS VARIANT: one trainer job; its wall time goes to NAME.s
     echo $(( SECONDS - t0 )) > "$OUT/$name.seconds"
 }
 
-rm -rf "${VARIANTS[@]/#/$OUT/tp_}" "${VARIANTS[@]/#/$OUT/loss_}"
+rm -rf "${VARIANTS[@]/#/$OUT/tp_}" "${VARIANTS[@]/#/$OUT/loss_}" "${LOSS_VARIANTS[@]/#/$OUT/loss_}"
 for v in "${VARIANTS[@]}"; do run "tp_$v" "$STEPS1" "$v"; done
 
 # Phase 2 if it fits: each run's startup (wall time minus its steps) plus LOSS_STEPS at its measured speed.
-PLAN=$("$PY" - "$OUT" "$STEPS1" "$LOSS_STEPS" "${VARIANTS[@]}" <<'EOF'
+PLAN=$("$PY" - "$OUT" "$STEPS1" "$LOSS_STEPS" "${LOSS_VARIANTS[@]}" <<'EOF'
 import json, statistics, sys
 from pathlib import Path
 out, steps1, steps2, variants = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
 total = 0.0
 for v in variants:
+    if not (out / f"tp_{v}.seconds").exists():
+        continue  # not among VARIANTS: no phase 1 run to predict from, and none in phase 2
     wall = float((out / f"tp_{v}.seconds").read_text())
     rows = [json.loads(x) for x in (out / f"tp_{v}" / "metrics.jsonl").read_text().splitlines()] \
         if (out / f"tp_{v}" / "metrics.jsonl").exists() else []
@@ -87,7 +93,7 @@ EOF
 LEFT=$(( BUDGET_S - (SECONDS - START) ))
 if [[ -n "$PLAN" ]] && (( PLAN <= LEFT )); then
     echo "phase 2: ${LOSS_STEPS}-step loss runs, predicted ${PLAN}s of ${LEFT}s left"
-    for v in "${VARIANTS[@]}"; do  # a variant refused or failed in phase 1 would fail the same way
+    for v in "${LOSS_VARIANTS[@]}"; do  # a variant refused or failed in phase 1 would fail the same way
         [[ -s "$OUT/tp_$v/metrics.jsonl" ]] && run "loss_$v" "$LOSS_STEPS" "$v"
     done
 else

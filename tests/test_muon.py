@@ -89,6 +89,57 @@ def test_sharded_muon_equals_one_process():
             torch.testing.assert_close(got, want.detach(), atol=1e-6, rtol=1e-6)
 
 
+def _one_rank_dtensor_muon(rank: int, world: int) -> list[torch.Tensor]:
+    """The same problem as DTensors on a one-rank mesh (what FSDP2 makes on one GPU), batched by shape."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full, grads = _batched_problem()
+    params = [torch.nn.Parameter(distribute_tensor(w, mesh, [Shard(0)])) for w in full]
+    opt = Muon(params, lr=0.05, momentum=0.9, weight_decay=0.1)
+    for step_grads in grads:
+        for p, g in zip(params, step_grads, strict=True):
+            p.grad = distribute_tensor(g, mesh, p.placements)
+        opt.step()
+    return [p.full_tensor() for p in params]
+
+
+def _batched_problem() -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+    """Three (6, 10) matrices, two (10, 6), a (2, 4, 5) stack twice and a lone (3, 3): batches of 3, 2, 2, 1."""
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(6, 10)] * 3 + [(10, 6)] * 2 + [(2, 4, 5)] * 2 + [(3, 3)]
+    full = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(2)]
+    return full, grads
+
+
+def test_same_shapes_batched_and_one_rank_dtensors_match_float64(monkeypatch):
+    """Whole matrices are orthogonalised in batches of equal shapes (also split when a batch would exceed
+    BATCH_ELEMENTS), plain or as one-rank DTensors: each equals the per-matrix float64 reference."""
+    import torchtitan_ext.train.muon as muon
+
+    full, grads = _batched_problem()
+    refs, bufs = [w.double() for w in full], [torch.zeros_like(w, dtype=torch.float64) for w in full]
+    for step_grads in grads:
+        for i, g in enumerate(step_grads):
+            bufs[i] = 0.9 * bufs[i] + g.double()
+            step = muon_scale(full[i].shape) * _ns64(g.double() + 0.9 * bufs[i], 5)
+            refs[i] = refs[i] * (1 - 0.05 * 0.1) - 0.05 * step
+    for batch_elements in (muon.BATCH_ELEMENTS, 120):  # 120: the three (6, 10) matrices in batches of 2 and 1
+        monkeypatch.setattr(muon, "BATCH_ELEMENTS", batch_elements)
+        params = [torch.nn.Parameter(w.clone()) for w in full]
+        opt = Muon(params, lr=0.05, momentum=0.9, weight_decay=0.1)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads, strict=True):
+                p.grad = g.clone()
+            opt.step()
+        for got, want in zip(params, refs, strict=True):
+            torch.testing.assert_close(got.detach().double(), want, atol=1e-5, rtol=1e-5)
+    for got, want in zip(run_distributed(_one_rank_dtensor_muon, 1)[0], refs, strict=True):
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
 MUON = ["--optimizer.name", "muon", "--model.dim", "64", "--model.n_layers", "2", "--model.ffn_hidden", "128",
         "--training.steps", "6"]
 

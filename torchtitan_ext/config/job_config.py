@@ -280,8 +280,6 @@ class Float8Section:
                                "each rank's vocabulary shard); not with training.fused_linear_ce")
     min_dim: int = opt(64, "linears with in/out features below this (or not divisible by 16; by 128 for "
                        "blockwise) stay in bf16", min=16)
-    blockwise_gemm: str = opt("cublas", "blockwise recipe's GEMMs: cuBLAS block-scaled torch._scaled_mm, or "
-                              "torchao's Triton kernels", choices=("cublas", "triton"))
     enable_fsdp_float8_all_gather: bool = opt(False, "all-gather FSDP params in float8 (tensorwise)")
     precompute_float8_dynamic_scale_for_fsdp: bool = opt(False, "one fused amax for all params "
                                                          "(tensorwise, FSDP float8 all-gather)")

@@ -124,12 +124,17 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        ends = counts.cumsum(0)
-        # Under expert parallelism the weights are DTensors sharded by expert: compute with this rank's.
+    def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w1, w2, w3) of this rank's experts (under expert parallelism the weights are DTensors sharded by
+        expert), their gradients scaled by ``grad_scale``."""
         w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
         if self.grad_scale != 1.0:
             w1, w2, w3 = (ScaleGrad.apply(w, self.grad_scale) for w in (w1, w2, w3))
+        return w1, w2, w3
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        ends = counts.cumsum(0)
+        w1, w2, w3 = self.local_weights()
         h = F.silu(grouped_mm(x, w1, ends)) * grouped_mm(x, w3, ends)
         return grouped_mm(h, w2, ends)
 

@@ -22,6 +22,7 @@ _SAVE_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten._scaled_mm.default,
     torch.ops.aten._grouped_mm.default,  # MoDE experts on GPU
+    torch.ops.aten._scaled_grouped_mm.default,  # MoDE experts in float8 (float8.experts)
 }
 
 

@@ -4,7 +4,10 @@ activation checkpointing, compile and FSDP (so those wrap ``Float8Linear`` modul
 Recipes (``[float8] recipe``): ``tensorwise`` (one dynamic scale per tensor, cuBLAS FP8 GEMMs; the fastest,
 and the only one whose weights FSDP2 can all-gather in float8 and whose TP all-gathers can run in float8),
 ``rowwise`` (one scale per row, power-of-two scales, CUTLASS rowwise GEMMs; more accurate, slower) and
-``rowwise_with_gw_hp`` (rowwise, with the weight gradient computed in bf16).
+``rowwise_with_gw_hp`` (rowwise, with the weight gradient computed in bf16) and ``blockwise`` (DeepSeek-V3's
+block scales: 1 x 128 activation and gradient blocks, 128 x 128 weight blocks, e4m3 throughout; swapped in
+by ``quant/float8_blockwise.py`` over torchao's prototype kernels; Hopper only, no TP, in/out features
+multiples of 128).
 
 Which linears stay in bf16 (``float8_module_filter``): the FQNs listed in ``filter_fqns`` (the output head by
 default: its logits feed the loss and it is a large share of the error; ``include_output`` converts it anyway,
@@ -12,15 +15,13 @@ and under TP each rank then casts its own vocabulary shard of the head, with the
 amax over the shards; compiled, the head is its own graph), MoDE routers (an FP8 rounding can flip a top-k
 choice, and the GEMM is tiny), and any linear whose in/out features are below ``min_dim`` or not
 divisible by 16 (``torch._scaled_mm`` needs multiples of 16; small GEMMs lose more to the casts than the FP8
-GEMM saves).
+GEMM saves); for ``blockwise``, not divisible by 128 (the scale blocks).
 
-MoDE experts stay in bf16. torchao 0.17 has FP8 rowwise grouped GEMMs for MoE training only as a prototype
-(``torchao.prototype.moe_training``: ``Float8TrainingOpConfig`` swaps expert weights for a tensor subclass
-that intercepts ``torch._grouped_mm``). It needs every expert's token group to be a multiple of 16 rows,
-and its own padding path is not implemented in 0.17 (``pad_token_groups_for_grouped_mm=True`` asserts "not yet
-supported"); MoDE's dropless routing gives groups of any size, so the FP8 kernel would fail or need padding
-inside the MoDE layer. Until torchao's API leaves the prototype namespace, ``GroupedExperts`` runs its grouped
-GEMMs in bf16 and ``convert_to_float8`` says so in its log.
+MoDE experts stay in bf16 unless ``float8.experts = true``: then ``quant/float8_experts.py`` swaps each
+``GroupedExperts`` for ``Float8GroupedExperts`` (same parameters), whose grouped GEMMs run through torchao
+0.17's prototype float8 rowwise grouped GEMM (``torch._scaled_grouped_mm``). That kernel needs every expert's
+token group to be a multiple of 16 rows and torchao's own padding is not implemented in 0.17, so the module
+pads MoDE's dropless groups itself, inside the experts (see that module).
 
 torchao / torch pairing (torchao is an optional dependency: ``pip install 'torchtitan_ext[gpu]'``):
 torchao 0.17.0 (the wheel carried in ``.whl/``) trains float8 with torch 2.11 on the GPU machine (H100), and
@@ -44,6 +45,7 @@ import torch.nn as nn
 
 from torchtitan_ext.config.job_config import Float8Section
 from torchtitan_ext.config.loader import ConfigError
+from torchtitan_ext.quant.float8_blockwise import BLOCK, convert_to_blockwise
 
 if TYPE_CHECKING:
     from torchao.float8 import Float8LinearConfig
@@ -65,12 +67,16 @@ def _torchao_float8() -> ModuleType:
                           f"{INSTALL_HINT}") from None
 
 
-def check_float8_supported(cfg: Float8Section, device: torch.device, fused_linear_ce: bool = False) -> None:
+def check_float8_supported(cfg: Float8Section, device: torch.device, fused_linear_ce: bool = False,
+                           tp: int = 1) -> None:
     """Refuse, before any work starts, a float8 setup that cannot run here; a no-op when FP8 is off.
     ``fused_linear_ce``: the trainer's ``training.fused_linear_ce``, which applies the head's high-precision
-    weight itself and so would silently bypass a float8 head."""
+    weight itself and so would silently bypass a float8 head. ``tp``: the tensor-parallel degree."""
     if not cfg.enabled:
         return
+    if cfg.recipe == "blockwise" and tp > 1:
+        raise ConfigError(f"float8.recipe = 'blockwise' does not run under parallelism.tp = {tp}: its kernels "
+                          f"take plain tensors, not TP's DTensors; use tensorwise or rowwise with TP")
     if cfg.include_output and fused_linear_ce:
         raise ConfigError("float8.include_output = true and training.fused_linear_ce = true are exclusive: the "
                           "fused loss multiplies by the head's weight itself, not through its Float8Linear")
@@ -92,6 +98,23 @@ def check_float8_supported(cfg: Float8Section, device: torch.device, fused_linea
                           f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]} (no FP8 "
                           f"tensor cores)")
     _torchao_float8()
+    if cfg.recipe == "blockwise":
+        _check_blockwise(device)
+
+
+def _check_blockwise(device: torch.device) -> None:
+    """The block-scaled kernels: compute capability 9.0 (cuBLAS's block-scaled FP8 GEMMs and torchao's
+    prototype are Hopper-only) and torchao's prototype importable (it needs Triton)."""
+    capability = torch.cuda.get_device_capability(device)
+    if tuple(capability) < (9, 0):
+        raise ConfigError(f"float8.recipe = 'blockwise' needs compute capability >= 9.0 (Hopper); "
+                          f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}")
+    try:
+        importlib.import_module("torchao.prototype.blockwise_fp8_training.linear")
+    except Exception as e:
+        reason = f"{type(e).__name__}: {e}".splitlines()[0]
+        raise ConfigError(f"float8.recipe = 'blockwise' needs torchao.prototype.blockwise_fp8_training, which "
+                          f"cannot be imported ({reason})") from None
 
 
 def _skip_reason(cfg: Float8Section, module: nn.Module, fqn: str) -> str | None:
@@ -101,12 +124,13 @@ def _skip_reason(cfg: Float8Section, module: nn.Module, fqn: str) -> str | None:
         return f"filter_fqns entry {hit!r}"
     if any(part.startswith("router") for part in fqn.split(".")):
         return "MoDE router"
+    multiple = BLOCK if cfg.recipe == "blockwise" else 16  # scale blocks / torch._scaled_mm's alignment
     for name in ("in_features", "out_features"):
         size = getattr(module, name)
         if size < cfg.min_dim:
             return f"{name} {size} < min_dim {cfg.min_dim}"
-        if size % 16:
-            return f"{name} {size} not divisible by 16"
+        if size % multiple:
+            return f"{name} {size} not divisible by {multiple}" + (" (blockwise)" if multiple == BLOCK else "")
     return None
 
 
@@ -128,7 +152,8 @@ def _linear_config(f8: ModuleType, cfg: Float8Section, emulate: bool) -> Float8L
 
 def convert_to_float8(model: nn.Module, cfg: Float8Section, *, emulate: bool = False,
                       log: Callable[[str], None] | None = None) -> list[str]:
-    """Swap the filter's linears for torchao ``Float8Linear`` in place; returns their FQNs.
+    """Swap the filter's linears for torchao ``Float8Linear`` (``BlockwiseFloat8Linear`` for the blockwise
+    recipe) in place; returns their FQNs.
 
     Call it on the unsharded (meta-device) model before any other parallelism. Skipped linears and the
     MoDE experts (bf16, see the module docstring) are reported through ``log`` (default: this module's
@@ -142,15 +167,18 @@ def convert_to_float8(model: nn.Module, cfg: Float8Section, *, emulate: bool = F
     log = log or logger.info
     skipped = {fqn: _skip_reason(cfg, m, fqn) for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
     skipped = {fqn: why for fqn, why in skipped.items() if why is not None}
-    f8.convert_to_float8_training(model, module_filter_fn=float8_module_filter(cfg),
-                                  config=_linear_config(f8, cfg, emulate))
-    converted = [fqn for fqn, m in model.named_modules() if isinstance(m, Float8Linear)]
+    if cfg.recipe == "blockwise":
+        converted = convert_to_blockwise(model, float8_module_filter(cfg), emulate=emulate)
+    else:
+        f8.convert_to_float8_training(model, module_filter_fn=float8_module_filter(cfg),
+                                      config=_linear_config(f8, cfg, emulate))
+        converted = [fqn for fqn, m in model.named_modules() if isinstance(m, Float8Linear)]
     log(f"float8 {cfg.recipe}: {len(converted)} linears converted, {len(skipped)} kept in bf16"
         + "".join(f"\n  bf16: {fqn} ({why})" for fqn, why in skipped.items()))
     experts = [fqn for fqn, m in model.named_modules() if isinstance(m, GroupedExperts)]
-    if experts:
-        log(f"float8: {len(experts)} MoDE expert groups stay in bf16 (torchao 0.17's FP8 grouped GEMM is a "
-            f"prototype needing 16-row-aligned token groups)")
+    if experts and not cfg.experts:
+        log(f"float8: {len(experts)} MoDE expert groups stay in bf16 (float8.experts = true runs their grouped "
+            f"GEMMs in float8 rowwise)")
     return converted
 
 

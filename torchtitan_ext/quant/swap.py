@@ -8,15 +8,22 @@ import torch.nn as nn
 from torchtitan_ext.config.job_config import JobConfig
 from torchtitan_ext.config.loader import ConfigError
 from torchtitan_ext.quant.float8 import convert_to_float8
+from torchtitan_ext.quant.float8_experts import check_float8_experts, convert_experts_to_float8
 from torchtitan_ext.quant.int8 import apply_int8_forward
 from torchtitan_ext.quant.qat import apply_qat
 
 
 def convert_model(model: nn.Module, cfg: JobConfig) -> list[str]:
     """Apply every configured converter; returns log lines. Unsupported combinations raise ConfigError."""
+    check_float8_experts(cfg.float8, model.args)
     lines = apply_quant(model, cfg)
     if cfg.float8.enabled:
         convert_to_float8(model, cfg.float8, log=lines.append)
+    if cfg.float8.experts:
+        swapped = convert_experts_to_float8(model)
+        lines.append(f"float8 experts: {len(swapped)} MoDE expert groups run float8 rowwise grouped GEMMs (token "
+                     f"groups padded to 16 rows)" if swapped else
+                     "float8.experts = true: the model has no MoDE layers, nothing to convert")
     return lines
 
 

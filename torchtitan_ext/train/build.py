@@ -125,7 +125,7 @@ def build_runtime(cfg: JobConfig) -> Runtime:
     if want_cuda and not torch.cuda.is_available():
         raise ConfigError("job.device = 'cuda' but no CUDA device is visible")
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if want_cuda else torch.device("cpu")
-    check_float8_supported(cfg.float8, device, cfg.training.fused_linear_ce)
+    check_float8_supported(cfg.float8, device, cfg.training.fused_linear_ce, tp=cfg.parallelism.tp)
     if (why := check_kernels(cfg.training.kernels, device)) is not None:
         raise ConfigError(why)
     if cfg.training.deterministic:  # before CUDA starts: cuBLAS reads its workspace setting once
