@@ -5,9 +5,9 @@ target crossing against hand-computed values."""
 from __future__ import annotations
 
 import importlib.util
-import tomllib
 
 import pytest
+import tomllib
 from trainer_utils import REPO, losses, run_trainer
 
 SMALL = ["--training.steps", "12", "--training.compile", "false", "--float8.enabled", "false",
