@@ -18,23 +18,17 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from dist_utils import run_distributed
+from float8_utils import TORCHAO_ERROR, init_decoder, needs_torchao, train_losses
 
 from torchtitan_ext.config.job_config import Float8Section
 from torchtitan_ext.config.loader import ConfigError
 from torchtitan_ext.models.args import ModelArgs
-from torchtitan_ext.models.decoder import Decoder, fill_param_
+from torchtitan_ext.models.decoder import Decoder
 from torchtitan_ext.models.flavors import FLAVORS
 from torchtitan_ext.quant import float8 as f8
 
-try:
-    import torchao.float8  # noqa: F401
+if TORCHAO_ERROR is None:
     from torchao.float8.float8_linear import Float8Linear
-
-    TORCHAO_ERROR = None
-except Exception as e:  # ImportError, or a torchao built for another torch failing at import
-    TORCHAO_ERROR = f"torchao.float8 does not import here: {type(e).__name__}: {e}"
-
-needs_torchao = pytest.mark.skipif(TORCHAO_ERROR is not None, reason=str(TORCHAO_ERROR))
 
 REPO = Path(__file__).resolve().parents[1]
 DEBUG = dataclasses.replace(FLAVORS["debug"], vocab_size=512, max_seq_len=64)  # dim 256, 2 KV heads of 64
@@ -269,14 +263,6 @@ def test_emulated_float8_linear_matches_reference(recipe):
         torch.testing.assert_close(model[0].weight.grad.double(), gq.T @ xq, rtol=1e-5, atol=1e-6)
 
 
-def _init(model: Decoder, seed: int, device: str = "cpu") -> Decoder:
-    plan = model.init_plan()
-    for name, p in model.named_parameters():
-        fill_param_(name, p.data, *plan[name], seed)
-    model.init_buffers(torch.device(device))
-    return model
-
-
 @needs_torchao
 def test_emulated_float8_decoder_trains_like_float32():
     """A tiny decoder memorising one batch: every float8 loss within 3% of the float32 run's, both falling."""
@@ -284,20 +270,11 @@ def test_emulated_float8_decoder_trains_like_float32():
     runs = {}
     for name in ("float32", "float8"):
         torch.manual_seed(0)
-        model = _init(Decoder(args), seed=0)
+        model = init_decoder(Decoder(args), seed=0)
         if name == "float8":
             assert len(f8.convert_to_float8(model, Float8Section(enabled=True, min_dim=16), emulate=True,
                                             log=lambda s: None)) == 14
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        losses = []
-        for _ in range(12):
-            logits = model(tokens[:, :-1])
-            loss = nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        runs[name] = losses
+        runs[name] = train_losses(model, tokens, 12)
     for ref, got in zip(runs["float32"], runs["float8"], strict=True):
         assert abs(got - ref) < 0.03 * ref
     assert runs["float8"] != runs["float32"]
@@ -436,7 +413,7 @@ def test_gpu_compiled_float8_tracks_bf16(recipe):
     for name in ("bf16", "float8"):
         torch.manual_seed(0)
         with torch.device("cuda"):
-            model = _init(Decoder(args), seed=0, device="cuda")
+            model = init_decoder(Decoder(args), seed=0, device="cuda")
         if name == "float8":
             cfg = Float8Section(enabled=True, recipe=recipe)
             f8.check_float8_supported(cfg, torch.device("cuda"))

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from float8_utils import init_decoder, train_losses
 
 from torchtitan_ext.config.job_config import Float8Section
 from torchtitan_ext.config.loader import ConfigError, parse_args
@@ -250,14 +251,6 @@ def test_mode_router_and_experts_stay_bf16():
     assert type(model.layers["0"].feed_forward.router) is nn.Linear
 
 
-def _init(model: Decoder, seed: int) -> Decoder:
-    plan = model.init_plan()
-    for name, p in model.named_parameters():
-        fill_param_(name, p.data, *plan[name], seed)
-    model.init_buffers(torch.device("cpu"))
-    return model
-
-
 def test_emulated_blockwise_decoder_trains_like_float32():
     """A decoder with 128-multiple dims memorising one batch: every blockwise loss within 3% of float32's."""
     args = ModelArgs(vocab_size=256, dim=128, n_layers=2, n_heads=2, n_kv_heads=2, ffn_hidden=256,
@@ -266,19 +259,10 @@ def test_emulated_blockwise_decoder_trains_like_float32():
     runs = {}
     for name in ("float32", "blockwise"):
         torch.manual_seed(0)
-        model = _init(Decoder(args), seed=0)
+        model = init_decoder(Decoder(args), seed=0)
         if name == "blockwise":
             assert len(f8.convert_to_float8(model, BLOCKWISE, emulate=True, log=lambda s: None)) == 14
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        losses = []
-        for _ in range(10):
-            logits = model(tokens[:, :-1])
-            loss = nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        runs[name] = losses
+        runs[name] = train_losses(model, tokens, 10)
     for ref, got in zip(runs["float32"], runs["blockwise"], strict=True):
         assert abs(got - ref) < 0.03 * ref
     assert runs["blockwise"] != runs["float32"] and runs["blockwise"][-1] < 0.8 * runs["blockwise"][0]

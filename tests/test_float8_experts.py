@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist_utils import run_distributed
+from float8_utils import TORCHAO_ERROR, needs_torchao
 
 from torchtitan_ext.config.job_config import Float8Section, JobConfig
 from torchtitan_ext.config.loader import ConfigError
@@ -24,15 +25,6 @@ from torchtitan_ext.models.decoder import Decoder, fill_param_
 from torchtitan_ext.models.mode import GroupedExperts, MoDE
 from torchtitan_ext.quant import float8_experts as f8e
 from torchtitan_ext.quant.float8 import MIN_CAPABILITY
-
-try:
-    import torchao.float8  # noqa: F401
-
-    TORCHAO_ERROR = None
-except Exception as e:  # ImportError, or a torchao built for another torch failing at import
-    TORCHAO_ERROR = f"torchao.float8 does not import here: {type(e).__name__}: {e}"
-
-needs_torchao = pytest.mark.skipif(TORCHAO_ERROR is not None, reason=str(TORCHAO_ERROR))
 
 REPO = Path(__file__).resolve().parents[1]
 E4M3 = torch.float8_e4m3fn
