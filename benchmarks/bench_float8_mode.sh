@@ -86,48 +86,5 @@ else
     echo "phase 2 skipped: predicted ${PLAN:-?}s, ${LEFT}s left of BUDGET_S=$BUDGET_S"
 fi
 
-"$PY" - "$OUT" "${VARIANTS[@]}" <<'EOF'
-import json, statistics, sys
-from pathlib import Path
-out, variants = Path(sys.argv[1]), sys.argv[2:]
-
-def read(folder: Path) -> list[dict]:
-    path = folder / "metrics.jsonl"
-    return [r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r] if path.exists() else []
-
-summary = {}
-for v in variants:
-    row = {}
-    tp = read(out / f"tp_{v}")
-    if tp:
-        steady = tp[2:] or tp  # the first windows hold compilation and warm-up
-        row["tokens_per_sec"] = round(statistics.median(r["tokens_per_sec"] for r in steady))
-        if "mfu" in steady[0]:
-            row["mfu"] = round(statistics.median(r["mfu"] for r in steady), 4)
-        if "memory_gib" in tp[-1]:
-            row["peak_memory_gib"] = round(max(r["memory_gib"] for r in tp), 2)
-    log = out / f"tp_{v}.log"
-    swapped = [x for x in log.read_text().splitlines() if "float8 experts:" in x] if log.exists() else []
-    if swapped:
-        row["experts"] = swapped[0].split("float8 experts: ", 1)[1][:40]
-    loss = read(out / f"loss_{v}")
-    if loss:
-        tail = [r["loss"] for r in loss if r["step"] > loss[-1]["step"] - 50]
-        row.update(loss_steps=loss[-1]["step"], final_loss=round(loss[-1]["loss"], 4),
-                   mean_loss_last_50=round(statistics.mean(tail), 4))
-    summary[v] = row
-base = summary.get("bf16", {})
-for v, row in summary.items():
-    if "tokens_per_sec" in row and "tokens_per_sec" in base:
-        row["speedup_vs_bf16"] = round(row["tokens_per_sec"] / base["tokens_per_sec"], 3)
-    if "mean_loss_last_50" in row and "mean_loss_last_50" in base:
-        row["loss_vs_bf16_pct"] = round(100 * (row["mean_loss_last_50"] / base["mean_loss_last_50"] - 1), 2)
-cols = ["tokens_per_sec", "speedup_vs_bf16", "mfu", "peak_memory_gib", "final_loss", "mean_loss_last_50",
-        "loss_vs_bf16_pct"]
-print(f"{'run':<15}" + "".join(f"{c:>19}" for c in cols))
-for v, row in summary.items():
-    print(f"{v:<15}" + "".join(f"{row.get(c, '-')!s:>19}" for c in cols))
-(out / "summary.json").write_text(json.dumps(summary, indent=1))
-print(json.dumps(summary))
-EOF
+"$PY" benchmarks/compare_variants.py "$OUT" "${VARIANTS[@]}" --note "float8 experts:"
 echo "total ${SECONDS}s; logs and metrics in $OUT"
