@@ -21,18 +21,8 @@ START=$SECONDS
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
-shopt -s nullglob
-WHEELS=(.whl/torchao-*.whl)
-if (( ${#WHEELS[@]} )); then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${WHEELS[@]}" \
-        || { echo "bench_float8: installing ${WHEELS[*]} failed"; exit 1; }
-    export PYTHONPATH=/tmp/site:$PYTHONPATH
-elif (( ! SMOKE )); then
-    echo "bench_float8: no torchao wheel in .whl/ (expected"
-    echo "  .whl/torchao-0.17.0-cp310-abi3-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl); carry it to the"
-    echo "  GPU machine, or pip install torchao where a package index is reachable"
-    exit 1
-fi
+source benchmarks/torchao_wheel.sh
+use_torchao_wheel bench_float8 "$SMOKE" || exit 1
 "$PY" -c "import torch, torchao; print(f'torch {torch.__version__}, torchao {torchao.__version__}')" 2>&1 \
     | grep -v "Failed to load" || { (( SMOKE )) || exit 1; }
 

@@ -18,13 +18,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
-shopt -s nullglob
-WHEELS=(.whl/torchao-*.whl)
-if (( ${#WHEELS[@]} )); then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${WHEELS[@]}" \
-        || { echo "bench_float8_mode: installing ${WHEELS[*]} failed"; exit 1; }
-    export PYTHONPATH=/tmp/site:$PYTHONPATH
-fi
+source benchmarks/torchao_wheel.sh
+use_torchao_wheel bench_float8_mode || exit 1
 "$PY" -c "import torch, torchao; print(f'torch {torch.__version__}, torchao {torchao.__version__}')" 2>&1 \
     | grep -v "Failed to load" || exit 1
 

@@ -44,11 +44,8 @@ if [ "${SMOKE:-0}" = 1 ]; then
            --training.steps 8 --eval.interval 4 --eval.steps 2 --metrics.log_freq 2 --float8.enabled false
            --lr_scheduler.warmup_steps 2 --job.device cpu)
 else
-    shopt -s nullglob
-    wheels=(.whl/torchao-*.whl)
-    (( ${#wheels[@]} )) || { echo "time_to_loss: no torchao wheel in .whl/ (carry it)"; exit 1; }
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${wheels[@]}" || exit 1
-    export PYTHONPATH="/tmp/site:$PYTHONPATH"
+    source benchmarks/torchao_wheel.sh
+    use_torchao_wheel time_to_loss || exit 1
 fi
 [ -f "$CORPUS/tokenizer.model" ] || { echo "time_to_loss: no corpus in $CORPUS (benchmarks/make_corpus.py)"; exit 1; }
 

@@ -52,20 +52,25 @@ def test_muon_two_steps_match_float64_reference():
     torch.testing.assert_close(p.detach().double(), ref, atol=1e-5, rtol=1e-5)
 
 
-def _sharded_muon(rank: int, world: int) -> list[torch.Tensor]:
-    """Uneven Shard(0), Shard(1) and a 3-D stack: more matrices than ranks, so two all-to-all rounds."""
+def _dtensor_muon(problem, shard_dims, momentum: float, world: int) -> list[torch.Tensor]:
+    """Two Muon steps on ``problem()``'s matrices as DTensors sharded along ``shard_dims`` over ``world`` ranks."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world,))
-    full, grads = _problem()
-    params = [torch.nn.Parameter(distribute_tensor(w, mesh, [Shard(d)])) for w, d in zip(full, (0, 1, 0), strict=True)]
-    opt = Muon(params, lr=0.05, momentum=0.95, weight_decay=0.1)
+    full, grads = problem()
+    params = [torch.nn.Parameter(distribute_tensor(w, mesh, [Shard(d)])) for w, d in zip(full, shard_dims, strict=True)]
+    opt = Muon(params, lr=0.05, momentum=momentum, weight_decay=0.1)
     for step_grads in grads:
         for p, g in zip(params, step_grads, strict=True):
             p.grad = distribute_tensor(g, mesh, p.placements)
         opt.step()
     return [p.full_tensor() for p in params]
+
+
+def _sharded_muon(rank: int, world: int) -> list[torch.Tensor]:
+    """Uneven Shard(0), Shard(1) and a 3-D stack: more matrices than ranks, so two all-to-all rounds."""
+    return _dtensor_muon(_problem, (0, 1, 0), 0.95, world)
 
 
 def _problem() -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
@@ -90,19 +95,8 @@ def test_sharded_muon_equals_one_process():
 
 
 def _one_rank_dtensor_muon(rank: int, world: int) -> list[torch.Tensor]:
-    """The same problem as DTensors on a one-rank mesh (what FSDP2 makes on one GPU), batched by shape."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    mesh = init_device_mesh("cpu", (world,))
-    full, grads = _batched_problem()
-    params = [torch.nn.Parameter(distribute_tensor(w, mesh, [Shard(0)])) for w in full]
-    opt = Muon(params, lr=0.05, momentum=0.9, weight_decay=0.1)
-    for step_grads in grads:
-        for p, g in zip(params, step_grads, strict=True):
-            p.grad = distribute_tensor(g, mesh, p.placements)
-        opt.step()
-    return [p.full_tensor() for p in params]
+    """The batched problem as DTensors on a one-rank mesh (what FSDP2 makes on one GPU)."""
+    return _dtensor_muon(_batched_problem, (0,) * 8, 0.9, world)
 
 
 def _batched_problem() -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
