@@ -28,7 +28,7 @@ SET_VALUES = {
     "logit_softcap": 30.0, "residual_scalars": True, "n_experts": 4, "top_k": 1, "moe_hidden": 64,
     "moe_every": 2, "shared_expert": True, "renormalize_gates": False, "aux_loss_coef": 0.02,
     "router_z_loss_coef": 0.0, "bias_update_rate": 0.001, "kv_share": "interleaved", "kv_share_group": 3,
-    "parametrization": "mup", "mup_base_dim": 64,
+    "parametrization": "mup", "mup_base_dim": 64, "mup_base_head_dim": 32,
     "rope_scaling": "llama3", "rope_scaling_factor": 16.0, "rope_low_freq_factor": 2.0,
     "rope_high_freq_factor": 8.0, "rope_original_max_seq_len": 1024,
 }
