@@ -16,6 +16,7 @@ import argparse
 import gzip
 import hashlib
 import json
+import math
 import random
 import subprocess
 import sys
@@ -113,6 +114,10 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     opts = parser.parse_args()
+    if opts.vocab < 260 or opts.workers < 1 or not all(
+            math.isfinite(t) and t > 0 for t in (opts.train_tokens, opts.val_tokens)):
+        parser.error("expected --vocab >= 260 (bytes and specials), positive --train-tokens / --val-tokens and "
+                     "--workers >= 1")
     out = opts.out
     out.mkdir(parents=True, exist_ok=True)
     docs = _documents()

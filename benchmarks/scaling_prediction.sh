@@ -18,6 +18,9 @@
 #          192 x 2M 4M 8M 16M 24M (the largest: 6 x 1.72M x 24M = 2.5e14 FLOPs)
 #   target: TARGET, default width 320 (4.9M non-embedding parameters) x 100M tokens (2.9e15 FLOPs)
 set -uo pipefail
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then  # the header above, without the #s
+    sed -n '2,/^set -uo pipefail/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0
+fi
 OUT="${1:-/tmp/scaling_prediction}"
 shift $(( $# > 0 ? 1 : 0 ))
 [ "${1:-}" = "--" ] && shift

@@ -79,7 +79,12 @@ def main() -> None:
     p.add_argument("--runs", nargs="*", type=Path, default=[], help="other run folders")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
+    for folder in [*a.baseline, *a.runs]:
+        if not (folder / "metrics.jsonl").is_file():
+            p.error(f"{folder}: no metrics.jsonl (expected a finished run's dump folder)")
     base = [summarize(f, None) for f in a.baseline]
+    if any(b["final_val_bpb"] is None for b in base):
+        p.error("a baseline run has no val_bpb (it needs eval.steps > 0)")
     target = statistics.mean(b["final_val_bpb"] for b in base)
     results = [summarize(f, target) for f in [*a.baseline, *a.runs]]
     base_time = statistics.mean(r["to_target"]["seconds_no_compile"] for r in results[:len(base)] if r["to_target"])

@@ -16,6 +16,9 @@
 #        debug size on a CPU for a few steps, no float8: checks the script)
 # A phase skips runs whose metrics.jsonl already ends with the final evaluation (so calls can share OUT).
 set -uo pipefail
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then  # the header above, without the #s
+    sed -n '2,/^set -uo pipefail/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0
+fi
 OUT="${1:?usage: time_to_loss.sh OUT PHASE... [-- overrides]}"; shift
 PHASES=()
 while (( $# )) && [ "$1" != "--" ]; do PHASES+=("$1"); shift; done
