@@ -34,7 +34,7 @@ declare -A ABLATE=(
     [no_qk_norm]="--model.qk_norm false"
     [no_softcap]="--model.logit_softcap 0"
     [no_z_loss]="--training.z_loss 0"
-    [cosine]="--lr_scheduler.name cosine --lr_scheduler.min_lr_ratio 0.1 --lr_scheduler.warmup_steps 100"
+    [wsd]="--lr_scheduler.name wsd --lr_scheduler.warmup_steps 50 --lr_scheduler.decay_fraction 0.3 --lr_scheduler.min_lr_ratio 0"
 )
 ABLATIONS="${ABLATIONS:-${!ABLATE[*]}}"
 mkdir -p "$OUT"
@@ -61,7 +61,7 @@ train() {  # train NAME CONFIG [overrides...]
     python3 -m torchtitan_ext.train --config "$config" --job.dump_folder "$dir" --job.overwrite true \
         "${DATA[@]}" "$@" "${EXTRA[@]}" > "$OUT/$name.log" 2>&1 \
         || { echo "$name: failed"; tail -n 15 "$OUT/$name.log"; return 1; }
-    echo "$name: $((SECONDS - t0)) s wall; $(grep -o 'validation loss [0-9.]*' "$OUT/$name.log" | tail -n 1)"
+    echo "$name: $((SECONDS - t0)) s wall; final val loss $(grep -o ' val [0-9.]*' "$OUT/$name.log" | tail -n 1 | cut -c6-)"
 }
 
 for phase in "${PHASES[@]}"; do

@@ -6,4 +6,10 @@ set -euo pipefail
 NEEDS="torch, numpy, sentencepiece, tensorboard, pytest, triton, torchao" source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 cd "$REPO"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-exec "$PY" -m pytest -q "$@"
+# Two workers (pytest-xdist, in the dev extra), one test file each at a time: on the 2-core CI machine the
+# suite's single-process tests and process start-ups overlap. TEST_WORKERS=0 runs it in one process.
+workers=()
+if [ "${TEST_WORKERS:-2}" != 0 ] && "$PY" -c "import xdist" >/dev/null 2>&1; then
+    workers=(-n "${TEST_WORKERS:-2}" --dist loadfile)
+fi
+exec "$PY" -m pytest -q "${workers[@]}" "$@"

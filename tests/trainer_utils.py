@@ -23,7 +23,7 @@ TINY = [
 
 
 def run_trainer(dump: Path, nproc: int, *overrides: str, check: bool = True,
-                timeout: float = 600) -> subprocess.CompletedProcess:
+                timeout: float = 1200) -> subprocess.CompletedProcess:
     """``python -m torch.distributed.run --nproc_per_node nproc -m torchtitan_ext.train`` (or a plain
     single process when nproc == 0) with TINY + overrides; dump folder ``dump``."""
     args = [*TINY, "--job.dump_folder", str(dump), *overrides]
