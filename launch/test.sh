@@ -8,6 +8,9 @@ cd "$REPO"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # Two workers (pytest-xdist, in the dev extra), one test file each at a time: on the 2-core CI machine the
 # suite's single-process tests and process start-ups overlap. TEST_WORKERS=0 runs it in one process.
+case "${TEST_WORKERS:-2}" in
+    *[!0-9]*) echo "error: TEST_WORKERS='$TEST_WORKERS': expected a number of workers (0: one process)" >&2; exit 2 ;;
+esac
 workers=()
 if [ "${TEST_WORKERS:-2}" != 0 ] && "$PY" -c "import xdist" >/dev/null 2>&1; then
     workers=(-n "${TEST_WORKERS:-2}" --dist loadfile)
