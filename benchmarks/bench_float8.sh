@@ -2,13 +2,14 @@
 # One H100: the trainer on a llama3_8b-shaped model with fewer layers, compiled, in bf16 and with float8
 # tensorwise, rowwise (torchao Float8Linear) and blockwise (1x128 / 128x128 block scales,
 # quant/float8_blockwise.py). Phase 1: 30-step throughput runs of every variant. Phase 2 (when the time
-# budget allows): 300 steps of the LOSS_VARIANTS on the same data (same seed) for the loss. Prints a table
-# and writes summary.json. The defaults fit in about 9 minutes on one H100.
+# budget allows): 300 steps of the LOSS_VARIANTS for each of SEEDS on the same data, logging every step's loss
+# and ending with a validation loss (EVAL_STEPS batches held out). Prints a table (losses: means over the
+# seeds) and writes summary.json. The defaults fit in about 9 minutes on one H100.
 #
 # Usage from the repository root:  benchmarks/bench_float8.sh [--smoke] [OUT_DIR]
 #   env: VARIANTS ("bf16 tensorwise rowwise blockwise") LOSS_VARIANTS ("bf16 blockwise": phase 2's runs)
-#        LAYERS (4) SEQ (4096) BATCH (2) LOSS_STEPS (300) BUDGET_S (500: phase 2 runs only if its predicted
-#        time fits what is left) PYTHON (python3)
+#        SEEDS ("0": phase 2's seeds) EVAL_STEPS (16) LAYERS (4) SEQ (4096) BATCH (2) LOSS_STEPS (300)
+#        BUDGET_S (500: phase 2 runs only if its predicted time fits what is left) PYTHON (python3)
 #   --smoke: the debug flavor on CPU in a minute, to check the script; the float8 runs must then be
 #            refused with the one-line error (no FP8 on CPU), which the table shows.
 # torchao comes from the wheel carried in .whl/ (the GPU machine has no package index).
@@ -37,30 +38,32 @@ else
 fi
 read -ra VARIANTS <<< "${VARIANTS:-bf16 tensorwise rowwise blockwise}"
 read -ra LOSS_VARIANTS <<< "${LOSS_VARIANTS:-bf16 blockwise}"
+read -ra SEEDS <<< "${SEEDS:-0}"
 flags() {  # the float8 overrides of a variant
     case $1 in
         bf16) echo "--float8.enabled false" ;;
         *) echo "--float8.enabled true --float8.recipe $1" ;;
     esac
 }
-run() {  # run NAME STEPS VARIANT: one trainer job; its wall time goes to NAME.seconds
+run() {  # run NAME STEPS VARIANT [OVERRIDES...]: one trainer job; its wall time goes to NAME.seconds
     local name=$1 steps=$2 variant=$3 t0=$SECONDS
+    shift 3
     # shellcheck disable=SC2046
     "$PY" -m torchtitan_ext.train --config train_configs/llama3_8b_float8.toml \
         --job.dump_folder "$OUT/$name" "${SHAPE[@]}" --training.steps "$steps" \
-        --lr_scheduler.warmup_steps $(( steps / 10 )) $(flags "$variant") > "$OUT/$name.log" 2>&1 \
+        --lr_scheduler.warmup_steps $(( steps / 10 )) $(flags "$variant") "$@" > "$OUT/$name.log" 2>&1 \
         || { echo "run $name failed:"; grep -v "Failed to load" "$OUT/$name.log" | tail -n 5; }
     echo $(( SECONDS - t0 )) > "$OUT/$name.seconds"
 }
 
-rm -rf "${VARIANTS[@]/#/$OUT/tp_}" "${VARIANTS[@]/#/$OUT/loss_}" "${LOSS_VARIANTS[@]/#/$OUT/loss_}"
+rm -rf "${VARIANTS[@]/#/$OUT/tp_}" "$OUT"/loss_*
 for v in "${VARIANTS[@]}"; do run "tp_$v" "$STEPS1" "$v"; done
 
 # Phase 2 if it fits: each run's startup (wall time minus its steps) plus LOSS_STEPS at its measured speed.
-PLAN=$("$PY" - "$OUT" "$STEPS1" "$LOSS_STEPS" "${LOSS_VARIANTS[@]}" <<'EOF'
+PLAN=$("$PY" - "$OUT" "$STEPS1" "$LOSS_STEPS" "${#SEEDS[@]}" "${LOSS_VARIANTS[@]}" <<'EOF'
 import json, statistics, sys
 from pathlib import Path
-out, steps1, steps2, variants = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
+out, steps1, steps2, seeds, variants = Path(sys.argv[1]), *map(int, sys.argv[2:5]), sys.argv[5:]
 total = 0.0
 for v in variants:
     if not (out / f"tp_{v}.seconds").exists():
@@ -76,15 +79,18 @@ for v in variants:
     tokens = get("local_batch_size") * get("seq_len")
     tps = statistics.median(r["tokens_per_sec"] for r in rows[1:] or rows)
     step_s = tokens / tps
-    total += max(wall - steps1 * step_s, 0) + steps2 * step_s
+    total += seeds * (max(wall - steps1 * step_s, 0) + steps2 * step_s)  # a start-up and the steps per seed
 print(round(total))
 EOF
 )
 LEFT=$(( BUDGET_S - (SECONDS - START) ))
 if [[ -n "$PLAN" ]] && (( PLAN <= LEFT )); then
-    echo "phase 2: ${LOSS_STEPS}-step loss runs, predicted ${PLAN}s of ${LEFT}s left"
-    for v in "${LOSS_VARIANTS[@]}"; do  # a variant refused or failed in phase 1 would fail the same way
-        [[ -s "$OUT/tp_$v/metrics.jsonl" ]] && run "loss_$v" "$LOSS_STEPS" "$v"
+    echo "phase 2: ${LOSS_STEPS}-step loss runs, seeds ${SEEDS[*]}, predicted ${PLAN}s of ${LEFT}s left"
+    for seed in "${SEEDS[@]}"; do
+        for v in "${LOSS_VARIANTS[@]}"; do  # a variant refused or failed in phase 1 would fail the same way
+            [[ -s "$OUT/tp_$v/metrics.jsonl" ]] && run "loss_${v}_s$seed" "$LOSS_STEPS" "$v" \
+                --job.seed "$seed" --metrics.log_freq 1 --eval.steps "${EVAL_STEPS:-16}"
+        done
     done
 else
     echo "phase 2 skipped: predicted ${PLAN:-?}s, ${LEFT}s left of BUDGET_S=$BUDGET_S"

@@ -1,7 +1,8 @@
 """The table of a variant benchmark (bench_float8.sh, bench_float8_mode.sh): for each variant, the throughput
 run ``OUT/tp_<variant>`` (median tokens/s and MFU over the windows after the first two, which hold compilation
-and warm-up; peak memory) and the loss run ``OUT/loss_<variant>`` if there is one (final loss, mean of the
-last 50 steps); speed and loss relative to ``bf16``. A variant without metrics shows the last line of its log
+and warm-up; peak memory) and the loss runs ``OUT/loss_<variant>`` or ``OUT/loss_<variant>_s<seed>`` if there
+are any (final loss, mean of the last 50 logged steps, final validation loss: each the mean over the seeds, the
+seeds' own values beside it); speed and losses relative to ``bf16``. A variant without metrics shows the last line of its log
 (a one-line refusal, e.g. float8 on a CPU). ``--note TEXT`` adds what follows TEXT in the throughput log.
 
     python benchmarks/compare_variants.py OUT VARIANT... [--note "float8 experts:"]
@@ -17,12 +18,24 @@ import statistics
 from pathlib import Path
 
 COLUMNS = ["tokens_per_sec", "speedup_vs_bf16", "mfu", "peak_memory_gib", "final_loss", "mean_loss_last_50",
-           "loss_vs_bf16_pct"]
+           "loss_vs_bf16_pct", "val_loss", "val_vs_bf16_pct"]
 
 
-def read(folder: Path) -> list[dict]:
+def read(folder: Path, key: str = "loss") -> list[dict]:
     path = folder / "metrics.jsonl"
-    return [r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r] if path.exists() else []
+    return [r for r in map(json.loads, path.read_text().splitlines()) if key in r] if path.exists() else []
+
+
+def loss_summary(folder: Path) -> dict:
+    """One loss run's final loss, mean of its last 50 steps' logged losses, and final validation loss."""
+    loss, val = read(folder), read(folder, "val_loss")
+    if not loss:
+        return {}
+    tail = [r["loss"] for r in loss if r["step"] > loss[-1]["step"] - 50]
+    out = {"loss_steps": loss[-1]["step"], "final_loss": loss[-1]["loss"], "mean_loss_last_50": statistics.mean(tail)}
+    if val:
+        out["val_loss"] = val[-1]["val_loss"]
+    return out
 
 
 def last_line(log: Path) -> str:
@@ -48,11 +61,18 @@ def variant_row(out: Path, variant: str, note: str) -> dict:
         hits = [x.split(note, 1)[1].strip()[:60] for x in log.read_text().splitlines() if note in x]
         if hits:
             row["note"] = hits[0]
-    loss = read(out / f"loss_{variant}")
-    if loss:
-        tail = [r["loss"] for r in loss if r["step"] > loss[-1]["step"] - 50]
-        row.update(loss_steps=loss[-1]["step"], final_loss=round(loss[-1]["loss"], 4),
-                   mean_loss_last_50=round(statistics.mean(tail), 4))
+    folders = [out / f"loss_{variant}"] + sorted(out.glob(f"loss_{variant}_s*"))
+    runs = {f.name.removeprefix(f"loss_{variant}").lstrip("_") or "s?": loss_summary(f) for f in folders}
+    runs = {seed: r for seed, r in runs.items() if r}
+    if runs:
+        row["loss_steps"] = max(r["loss_steps"] for r in runs.values())
+        for key in ("final_loss", "mean_loss_last_50", "val_loss"):
+            values = [r[key] for r in runs.values() if key in r]
+            if values:
+                row[key] = round(statistics.mean(values), 4)
+        if len(runs) > 1:
+            row["seeds"] = {seed: {k: round(v, 4) for k, v in r.items() if k != "loss_steps"}
+                            for seed, r in runs.items()}
     return row
 
 
@@ -62,8 +82,9 @@ def compare(out: Path, variants: list[str], note: str = "") -> dict[str, dict]:
     for row in summary.values():
         if "tokens_per_sec" in row and "tokens_per_sec" in base:
             row["speedup_vs_bf16"] = round(row["tokens_per_sec"] / base["tokens_per_sec"], 3)
-        if "mean_loss_last_50" in row and "mean_loss_last_50" in base:
-            row["loss_vs_bf16_pct"] = round(100 * (row["mean_loss_last_50"] / base["mean_loss_last_50"] - 1), 2)
+        for key, pct in (("mean_loss_last_50", "loss_vs_bf16_pct"), ("val_loss", "val_vs_bf16_pct")):
+            if key in row and key in base:
+                row[pct] = round(100 * (row[key] / base[key] - 1), 2)
     return summary
 
 
@@ -78,7 +99,7 @@ def main() -> None:
     print(f"{'run':<{width}}" + "".join(f"{c:>19}" for c in COLUMNS))
     for v, row in summary.items():
         cells = "".join(f"{row.get(c, '-')!s:>19}" for c in COLUMNS)
-        extra = "".join(f"  {row[k]}" for k in ("error", "note") if k in row)
+        extra = "".join(f"  {row[k]}" for k in ("error", "note", "seeds") if k in row)
         print(f"{v:<{width}}{cells}{extra}")
     (a.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary))
