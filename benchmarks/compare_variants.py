@@ -2,8 +2,9 @@
 run ``OUT/tp_<variant>`` (median tokens/s and MFU over the windows after the first two, which hold compilation
 and warm-up; peak memory) and the loss runs ``OUT/loss_<variant>`` or ``OUT/loss_<variant>_s<seed>`` if there
 are any (final loss, mean of the last 50 logged steps, final validation loss: each the mean over the seeds, the
-seeds' own values beside it); speed and losses relative to ``bf16``. A variant without metrics shows the last line of its log
-(a one-line refusal, e.g. float8 on a CPU). ``--note TEXT`` adds what follows TEXT in the throughput log.
+seeds' own values beside it); speed and losses relative to ``bf16``. A variant without metrics shows the last
+line of its log (a one-line refusal, e.g. float8 on a CPU).
+``--note TEXT`` adds what follows TEXT in the throughput log.
 
     python benchmarks/compare_variants.py OUT VARIANT... [--note "float8 experts:"]
 

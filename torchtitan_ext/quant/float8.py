@@ -45,7 +45,7 @@ import torch.nn as nn
 
 from torchtitan_ext.config.job_config import Float8Section
 from torchtitan_ext.config.loader import ConfigError
-from torchtitan_ext.quant.float8_blockwise import BLOCK, convert_to_blockwise
+from torchtitan_ext.quant.float8_blockwise import BLOCK, MIN_BLOCKS, convert_to_blockwise
 
 if TYPE_CHECKING:
     from torchao.float8 import Float8LinearConfig
@@ -131,6 +131,8 @@ def _skip_reason(cfg: Float8Section, module: nn.Module, fqn: str) -> str | None:
             return f"{name} {size} < min_dim {cfg.min_dim}"
         if size % multiple:
             return f"{name} {size} not divisible by {multiple}" + (" (blockwise)" if multiple == BLOCK else "")
+        if multiple == BLOCK and size < MIN_BLOCKS * BLOCK:
+            return f"{name} {size} is one 128-block (blockwise needs {MIN_BLOCKS * BLOCK}+)"
     return None
 
 

@@ -22,6 +22,11 @@ cuBLAS on an 8192 x 4096 x 14336 GEMM (slower than bf16) and fails to compile un
 (benchmarks/probe_blockwise.py), so it is not offered. The swapped module subclasses ``nn.Linear`` and keeps
 its ``weight`` (and ``bias``) parameters, so checkpoints, FSDP and the initialisation plan see the same
 names and shapes.
+
+A GEMM whose contraction is a single 128-block comes out wrong on the GPU path (torch 2.11, H200: the input
+gradient of a 256 -> 128 linear 70% off compiled; eager, values whose norm overflows float32;
+benchmarks/probe_blockwise_shapes.py). So the conversion keeps linears with in or out features of 128 in bf16
+(``MIN_BLOCKS``), and token counts are padded to at least two blocks for the weight gradient.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import torch.nn.functional as F
 BLOCK = 128
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448
+MIN_BLOCKS = 2  # blocks along every GEMM's contraction dim (see the module docstring)
 EPS = 1e-12  # amax floor (torchao's kernels use the same): a zero block gets a tiny scale, not a division by 0
 
 
@@ -103,8 +109,8 @@ class BlockwiseFloat8Linear(nn.Linear):
     ``emulate``: the plain-torch path (any device; tests). Otherwise CUDA (compute capability 9.0) through
     torchao's prototype with cuBLAS GEMMs. Under
     autocast the input is cast to the autocast dtype first (as torchao's Float8Linear does); the weight is
-    quantised from its own dtype. Token counts that are not multiples of 128 are zero-padded for the wgrad
-    blocks."""
+    quantised from its own dtype. Token counts are zero-padded to a multiple of 128, and at least 256, for the
+    wgrad blocks."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, emulate: bool = False,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
@@ -128,7 +134,7 @@ class BlockwiseFloat8Linear(nn.Linear):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        pad = -x2.shape[0] % BLOCK
+        pad = max(-x2.shape[0] % BLOCK, MIN_BLOCKS * BLOCK - x2.shape[0])
         if pad:
             x2 = F.pad(x2, (0, 0, 0, pad))
         if self._mm is None:
