@@ -8,6 +8,7 @@ Prints one JSON line per case (non-finite counts, errors relative to the emulati
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -31,6 +32,9 @@ def run(mod: nn.Module, x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor)
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("error: probe_blockwise_shapes.py needs a CUDA GPU (compute capability 9.0) and torchao")
     for fan_in, fan_out in SHAPES:
         g = torch.Generator("cuda").manual_seed(0)
         x = torch.randn(8, 256, fan_in, device="cuda", generator=g).to(torch.bfloat16)
