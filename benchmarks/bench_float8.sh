@@ -14,6 +14,10 @@
 #            refused with the one-line error (no FP8 on CPU), which the table shows.
 # torchao comes from the wheel carried in .whl/ (the GPU machine has no package index).
 set -uo pipefail
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then  # the header above, without the #s
+    sed -n '2,/^set -uo pipefail/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0
+fi
+case "${SEEDS:-0}" in *[!0-9\ ]*) echo "error: SEEDS='$SEEDS': expected whole numbers separated by spaces"; exit 2 ;; esac
 SMOKE=0
 if [[ "${1:-}" == "--smoke" ]]; then SMOKE=1; shift; fi
 OUT="${1:-${OUT:-/tmp/bench_float8}}"
