@@ -20,8 +20,13 @@
 #   small (width:parallel:tokens): SMALL, default 64 x 8M 16M 32M 64M; 128 x 8M 16M 32M 48M;
 #          192 x 8M 16M 24M; 256 x 8M 14M (the largest: 6 x 3.15M x 14M = 2.6e14 FLOPs)
 #   target: TARGET, default width 320 (4.67M non-embedding parameters) x 100M tokens (2.8e15 FLOPs)
-#   RUNS: a runs.csv of small runs trained before (an earlier OUT/runs.csv): the fit uses it, only the target
-#         trains (a new target for the same small runs; each must stay under 1/10 of its compute)
+#   RUNS: a runs.csv of small runs trained before (an earlier OUT/runs.csv): the fit uses them too. With RUNS,
+#         SMALL defaults to none (only the target trains); set SMALL to train more small runs beside them.
+#   PREDICT_ONLY=1: train the small runs, fit, write the target's prediction (OUT/prediction.json) and stop;
+#         OUT/runs.csv then holds every small run, for a later RUNS=OUT/runs.csv call that trains the target
+#         (the prediction is on record before the target trains).
+#   Before anything trains, benchmarks/scaling_check_cap.py checks that every small run (RUNS and SMALL) uses
+#   at most 1/10 of the target's compute.
 set -uo pipefail
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then  # the header above, without the #s
     sed -n '2,/^set -uo pipefail/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0
@@ -31,9 +36,12 @@ shift $(( $# > 0 ? 1 : 0 ))
 [ "${1:-}" = "--" ] && shift
 CORPUS="${CORPUS:-bench_data/code_doc_bpe512}"
 SCALE="${SCALE:-1}"
-SMALL="${SMALL:-64:2:8e6,64e6,16e6,32e6 128:2:8e6,48e6,16e6,32e6 192:3:8e6,16e6,24e6 256:2:8e6,14e6}"
-TARGET="${TARGET:-320:100e6}"
 RUNS="${RUNS:-}"
+DEFAULT_SMALL="64:2:8e6,64e6,16e6,32e6 128:2:8e6,48e6,16e6,32e6 192:3:8e6,16e6,24e6 256:2:8e6,14e6"
+[ -n "$RUNS" ] && DEFAULT_SMALL=""
+SMALL="${SMALL-$DEFAULT_SMALL}"
+TARGET="${TARGET:-320:100e6}"
+PREDICT_ONLY="${PREDICT_ONLY:-0}"
 [ -z "$RUNS" ] || [ -f "$RUNS" ] || { echo "RUNS=$RUNS: no such runs.csv"; exit 1; }
 [ -f "$CORPUS/tokenizer.model" ] || { echo "no corpus in $CORPUS: run benchmarks/make_corpus.py and carry it"; exit 1; }
 COMMON=(--data.dataset shards --data.train_path "$CORPUS/train_*.bin" --data.val_path "$CORPUS/val_*.bin"
@@ -41,7 +49,7 @@ COMMON=(--data.dataset shards --data.train_path "$CORPUS/train_*.bin" --data.val
         --lr_scheduler.warmup_steps 50 --checkpoint.enabled false --metrics.tensorboard false
         --metrics.log_freq 200 --eval.steps 40 "$@")
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # benchmarks/*.py import the package
 t0=$SECONDS
 tokens() { python3 -c "import sys; print(*(int(float(t) * $SCALE) for t in sys.argv[1:]))" "$@"; }
 sweep() {  # sweep NAME WIDTH PARALLEL TOKENS...: one width's runs at its learning rate
@@ -54,14 +62,16 @@ sweep() {  # sweep NAME WIDTH PARALLEL TOKENS...: one width's runs at its learni
         > "$OUT/$name.log" 2>&1 || { echo "sweep $name failed:"; tail -n 20 "$OUT/$name.log"; return 1; }
     echo "$name (width $width, lr $lr): done at $((SECONDS - t0)) s"
 }
+python3 benchmarks/scaling_check_cap.py "$SCALE" "$TARGET" "$SMALL" "$RUNS" -- "${COMMON[@]}" > "$OUT/cap.txt" \
+    || { tail -n 1 "$OUT/cap.txt"; exit 1; }
+tail -n +2 "$OUT/cap.txt"
 # The tokenizer's vocabulary is checked and the shards scanned once, before the runs start at once.
 python3 -m torchtitan_ext.train --config train_configs/debug.toml "${COMMON[@]}" --training.steps 1 \
     --job.dump_folder "$OUT/warmup" > "$OUT/warmup.log" 2>&1 || { tail -n 20 "$OUT/warmup.log"; exit 1; }
 pids=()
 target_width=${TARGET%%:*}
-sweep target "$target_width" 1 "${TARGET#*:}" & pids+=($!)
+(( PREDICT_ONLY )) || { sweep target "$target_width" 1 "${TARGET#*:}" & pids+=($!); }
 widths=()
-[ -n "$RUNS" ] && SMALL=""  # the small runs are read from RUNS
 for spec in $SMALL; do  # WIDTH:PARALLEL:T1,T2,...
     IFS=: read -r w par toks <<< "$spec"
     widths+=("$w")
@@ -71,13 +81,19 @@ done
 failed=0
 for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
 (( failed )) && exit 1
-{ head -n 1 "$OUT/target/runs.csv"; [ -z "$RUNS" ] || tail -n +2 "$RUNS"
-  for w in "${widths[@]}"; do tail -n +2 "$OUT/small_w$w/runs.csv"; done; } \
-    | tr -d '\r' > "$OUT/runs.csv"
+{ echo "params,tokens,loss,run"; [ -z "$RUNS" ] || tail -n +2 "$RUNS" | tr -d '\r' | cut -d, -f1-4
+  for w in "${widths[@]}"; do tail -n +2 "$OUT/small_w$w/runs.csv" | tr -d '\r'; done; } > "$OUT/runs.csv"
 cat "$OUT/runs.csv"
+n_d=$(head -n 1 "$OUT/cap.txt"); n=${n_d%,*}; d=${n_d#*,}
+if (( PREDICT_ONLY )); then
+    python3 -m torchtitan_ext.scaling fit --input "$OUT/runs.csv" --predict "$n,$d" --plot "$OUT/fit.png" \
+        > "$OUT/prediction.json" || exit 1
+    cat "$OUT/prediction.json"
+    echo "predicted for the target $TARGET (N $n, D $d); train it with RUNS=$OUT/runs.csv. total: $((SECONDS - t0)) s"
+    exit 0
+fi
 target=$(tail -n 1 "$OUT/target/runs.csv" | tr -d '\r')
 echo "target run (params,tokens,loss,run): $target"
-n=$(echo "$target" | cut -d, -f1); d=$(echo "$target" | cut -d, -f2)
 python3 -m torchtitan_ext.scaling fit --input "$OUT/runs.csv" --predict "$n,$d" --plot "$OUT/fit.png" \
     > "$OUT/fit.json" || exit 1
 cat "$OUT/fit.json"

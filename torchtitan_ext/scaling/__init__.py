@@ -37,6 +37,7 @@ START_GRID = np.array(list(itertools.product(range(0, 30, 5), (0, 0.5, 1, 1.5, 2
 REFINED_STARTS = 20
 _BOUNDS = [(None, None), (0, None), (None, None), (0, None), (None, None)]  # exponents >= 0
 MIN_RUNS = 5  # the law's parameters
+MAX_LOG_COEFFICIENT = 700.0  # exp() of more overflows a float64: the optimiser ran off along a flat direction
 
 
 class ScalingError(UserError):
@@ -116,6 +117,9 @@ def fit_law(runs: Sequence[Run], source: str = "the runs", delta: float = HUBER_
         if best is None or res.fun < best.fun:
             best = res
     a, alpha, b, beta, e = (float(v) for v in best.x)
+    if max(a, b, e) > MAX_LOG_COEFFICIENT:
+        raise ScalingError(f"{source}: the fit ran off to log A = {a:.3g}, log B = {b:.3g}, log E = {e:.3g}: the "
+                           "runs' losses do not fall with params and tokens as the law needs")
     return ScalingLaw(math.exp(e), math.exp(a), alpha, math.exp(b), beta, float(best.fun), len(runs))
 
 

@@ -1,0 +1,58 @@
+"""Before benchmarks/scaling_prediction.sh trains anything: every small run's compute (6 N D, N from the sweep's
+own planner, D in whole steps) must be at most 1/10 of the target's. Prints the target's ``N,D`` on the first
+line (the prediction's input), then a summary; a run over the cap is named and the exit code is 1.
+
+    python benchmarks/scaling_check_cap.py SCALE TARGET SMALL RUNS -- TRAINER_OVERRIDES...
+
+TARGET is ``width:tokens``, SMALL the script's ``width:parallel:t1,t2 ...`` list, RUNS a runs.csv or "". With a
+SCALE other than 1 (a smoke test) runs over the cap are counted, not refused.
+"""
+
+from __future__ import annotations
+
+import csv
+import sys
+
+from torchtitan_ext.config.loader import ConfigError, parse_args
+from torchtitan_ext.scaling import ScalingError
+from torchtitan_ext.scaling.sweep import global_batch_tokens, plan_sweep
+
+CONFIG = ["--config", "train_configs/debug.toml"]
+
+
+def planned(width: int, tokens: float, scale: float, overrides: list[str]) -> tuple[int, int]:
+    """(N, D) of one run as the sweep will train it."""
+    job = plan_sweep([*CONFIG, *overrides], [width], [int(tokens * scale)], "/tmp/scaling_check_cap")[0]
+    return job.params, job.steps * global_batch_tokens(parse_args([*CONFIG, *overrides]), 1)
+
+
+def main(argv: list[str]) -> int:
+    head, overrides = argv[:argv.index("--")], argv[argv.index("--") + 1:]
+    scale, target, small, runs = float(head[0]), head[1], head[2], head[3]
+    width, tokens = target.split(":")
+    n_t, d_t = planned(int(width), float(tokens), scale, overrides)
+    cap = 6 * n_t * d_t / 10
+    print(f"{n_t},{d_t}")
+    rows = [(float(r["params"]), float(r["tokens"])) for r in csv.DictReader(open(runs))] if runs else []
+    for spec in small.split():
+        w, _, budgets = spec.split(":")
+        rows += [planned(int(w), float(t), scale, overrides) for t in budgets.split(",")]
+    over = [(n, d) for n, d in rows if 6 * n * d > cap * (1 + 1e-9)]
+    if over and scale != 1:  # a smoke test's budgets are a few whole steps each: the ratio cannot hold
+        print(f"SCALE={scale:g}: {len(over)} runs over the cap, not enforced below SCALE=1")
+    elif over:
+        print(f"small runs over 1/10 of the target's compute ({cap:.3g} FLOPs): "
+              + ", ".join(f"N {n:.0f} x D {d:.0f} ({6 * n * d:.3g})" for n, d in over))
+        return 1
+    if rows:
+        print(f"{len(rows)} small runs; the largest uses 1/{cap * 10 / max(6 * n * d for n, d in rows):.1f} of the "
+              f"target's {cap * 10:.3g} FLOPs")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except (ConfigError, ScalingError, ValueError, OSError) as e:
+        print(f"scaling_check_cap.py: {e}")
+        sys.exit(1)
