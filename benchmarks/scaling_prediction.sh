@@ -25,6 +25,9 @@
 #   PREDICT_ONLY=1: train the small runs, fit, write the target's prediction (OUT/prediction.json) and stop;
 #         OUT/runs.csv then holds every small run, for a later RUNS=OUT/runs.csv call that trains the target
 #         (the prediction is on record before the target trains).
+#   MUP_BASE: a width (e.g. 256): every run in muP (model.parametrization = mup, mup_base_dim MUP_BASE) at the
+#         learning rate muP transferred between widths 256 and 1024 (2^-8; the same for every width, muP
+#         scales it per parameter group) instead of the standard-parametrization rule above.
 #   Before anything trains, benchmarks/scaling_check_cap.py checks that every small run (RUNS and SMALL) uses
 #   at most 1/10 of the target's compute.
 set -uo pipefail
@@ -42,12 +45,16 @@ DEFAULT_SMALL="64:2:8e6,64e6,16e6,32e6 128:2:8e6,48e6,16e6,32e6 192:3:8e6,16e6,2
 SMALL="${SMALL-$DEFAULT_SMALL}"
 TARGET="${TARGET:-320:100e6}"
 PREDICT_ONLY="${PREDICT_ONLY:-0}"
+MUP_BASE="${MUP_BASE:-}"
+[[ -z "$MUP_BASE" || "$MUP_BASE" =~ ^[1-9][0-9]*$ ]] || { echo "MUP_BASE=$MUP_BASE: expected a width (a whole number)"; exit 1; }
 [ -z "$RUNS" ] || [ -f "$RUNS" ] || { echo "RUNS=$RUNS: no such runs.csv"; exit 1; }
 [ -f "$CORPUS/tokenizer.model" ] || { echo "no corpus in $CORPUS: run benchmarks/make_corpus.py and carry it"; exit 1; }
 COMMON=(--data.dataset shards --data.train_path "$CORPUS/train_*.bin" --data.val_path "$CORPUS/val_*.bin"
         --data.tokenizer "$CORPUS/tokenizer.model" --training.local_batch_size 32 --training.seq_len 256
         --lr_scheduler.warmup_steps 50 --checkpoint.enabled false --metrics.tensorboard false
-        --metrics.log_freq 200 --eval.steps 40 "$@")
+        --metrics.log_freq 200 --eval.steps 40)
+[ -n "$MUP_BASE" ] && COMMON+=(--model.parametrization mup --model.mup_base_dim "$MUP_BASE")
+COMMON+=("$@")
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # benchmarks/*.py import the package
 t0=$SECONDS
@@ -55,7 +62,7 @@ tokens() { python3 -c "import sys; print(*(int(float(t) * $SCALE) for t in sys.a
 sweep() {  # sweep NAME WIDTH PARALLEL TOKENS...: one width's runs at its learning rate
     local name=$1 width=$2 parallel=$3; shift 3
     local lr
-    lr=$(python3 -c "print(2 ** -8 * 256 / $width)")
+    lr=$(python3 -c "print(2 ** -8 * (256 / $width if '$MUP_BASE' == '' else 1))")
     # shellcheck disable=SC2046
     python3 -m torchtitan_ext.scaling sweep --config train_configs/debug.toml --widths "$width" \
         --tokens $(tokens "$@") --parallel "$parallel" --out "$OUT/$name" -- "${COMMON[@]}" --optimizer.lr "$lr" \
