@@ -3,7 +3,8 @@ cuBLAS) compute correctly on this GPU: for each (in, out) a ``BlockwiseFloat8Lin
 emulation and the bf16 linear, forward, input gradient and weight gradient on 2,048 tokens, eager and compiled.
 Prints one JSON line per case (non-finite counts, errors relative to the emulation and to bf16).
 
-    python benchmarks/probe_blockwise_shapes.py   # on the GPU machine, torchao importable
+    python benchmarks/probe_blockwise_shapes.py [--shapes 256x256,768x256] [--eager-only]
+    # on the GPU machine, torchao importable
 """
 
 from __future__ import annotations
@@ -31,11 +32,25 @@ def run(mod: nn.Module, x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor)
     return [t.float() for t in (y.detach(), x.grad, weight.grad)]
 
 
+def _shapes(raw: str) -> list[tuple[int, int]]:
+    """argparse type: ``IN1xOUT1,IN2xOUT2``."""
+    try:
+        shapes = [tuple(int(v) for v in item.split("x")) for item in raw.split(",")]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
+        raise argparse.ArgumentTypeError(f"expected INxOUT[,INxOUT...] of whole numbers, got {raw!r}")
+    return shapes
+
+
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", type=_shapes, default=SHAPES, help="INxOUT,... (default: %(default)s)")
+    parser.add_argument("--eager-only", action="store_true", help="skip the compiled runs (compiling is slow)")
+    opts = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("error: probe_blockwise_shapes.py needs a CUDA GPU (compute capability 9.0) and torchao")
-    for fan_in, fan_out in SHAPES:
+    for fan_in, fan_out in opts.shapes:
         g = torch.Generator("cuda").manual_seed(0)
         x = torch.randn(8, 256, fan_in, device="cuda", generator=g).to(torch.bfloat16)
         dy = torch.randn(8, 256, fan_out, device="cuda", generator=g).to(torch.bfloat16) * 1e-3
@@ -43,7 +58,9 @@ def main() -> None:
         nn.init.normal_(plain.weight, std=0.02)
         mods = {"bf16": plain, "emulated": BlockwiseFloat8Linear.from_linear(plain, emulate=True)}
         real = BlockwiseFloat8Linear.from_linear(plain)
-        mods["eager"], mods["compiled"] = real, torch.compile(real)
+        mods["eager"] = real
+        if not opts.eager_only:
+            mods["compiled"] = torch.compile(real)
         out = {}
         for name, mod in mods.items():
             try:
@@ -51,7 +68,7 @@ def main() -> None:
             except Exception as e:  # a shape a kernel refuses: report it, go on
                 out[name] = f"{type(e).__name__}: {str(e)[:200]}"
         row = {"in": fan_in, "out": fan_out}
-        for name in ("eager", "compiled"):
+        for name in ("eager", "compiled")[:1 if opts.eager_only else 2]:
             if isinstance(out[name], str):
                 row[name] = out[name]
                 continue
