@@ -57,7 +57,7 @@ def main() -> None:
         plain = nn.Linear(fan_in, fan_out, bias=False, device="cuda")  # float32 weights under autocast
         nn.init.normal_(plain.weight, std=0.02)
         mods = {"bf16": plain, "emulated": BlockwiseFloat8Linear.from_linear(plain, emulate=True)}
-        real = BlockwiseFloat8Linear.from_linear(plain)
+        real = BlockwiseFloat8Linear.from_linear(plain, unchecked_shapes=True)  # measure refused shapes too
         mods["eager"] = real
         if not opts.eager_only:
             mods["compiled"] = torch.compile(real)

@@ -30,8 +30,10 @@ from torchtitan_ext.quant import float8 as f8
 from torchtitan_ext.quant import float8_blockwise as bw
 
 REPO = Path(__file__).resolve().parents[1]
-DEBUG = dataclasses.replace(FLAVORS["debug"], vocab_size=512, max_seq_len=64)  # dim 256, wk/wv 128, ffn 768
-BLOCK_LINEARS = ("attention.wq", "attention.wo",  # wk / wv (256 -> 128, one block) stay bf16
+# The debug flavor widened so that its dims are multiples of 512 (4 blocks), except wk / wv (512 -> 256)
+DEBUG = dataclasses.replace(FLAVORS["debug"], vocab_size=512, max_seq_len=64, dim=512, n_heads=8, n_kv_heads=4,
+                            ffn_hidden=1536)
+BLOCK_LINEARS = ("attention.wq", "attention.wo",  # wk / wv (512 -> 256, two blocks) stay bf16
                  "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
 BLOCKWISE = Float8Section(enabled=True, recipe="blockwise")
 REL, SUB = 2.0 ** -4, 2.0 ** -10  # e4m3: half an ulp of 3 mantissa bits; half the subnormal spacing 2^-9
@@ -224,8 +226,8 @@ def test_convert_swaps_exactly_the_block_linears_and_keeps_state_dict():
     assert model.state_dict().keys() == _meta(DEBUG).state_dict().keys()
     assert all(p is before[name] for name, p in model.named_parameters())  # the same Parameter objects
     assert logged[0].startswith("float8 blockwise: 20 linears converted, 9 kept in bf16")
-    assert "layers.0.attention.wk (out_features 128 is one 128-block (blockwise needs 256+))" in logged[0]
-    # include_output: the 256 -> 512 head converts too (its dims are multiples of 128)
+    assert "layers.0.attention.wk (out_features 256 not divisible by 512 (blockwise))" in logged[0]
+    # include_output: the 512 -> 512 head converts too (its dims are multiples of 512)
     model = _meta(DEBUG)
     converted = f8.convert_to_float8(model, dataclasses.replace(BLOCKWISE, include_output=True), emulate=True,
                                      log=lambda s: None)
@@ -241,29 +243,35 @@ def test_dims_not_multiples_of_128_stay_bf16_with_a_reason():
     assert "layers.0.feed_forward.w1 (out_features 272 not divisible by 128 (blockwise))" in logged[0]
     assert "layers.0.feed_forward.w2 (in_features 272 not divisible by 128 (blockwise))" in logged[0]
     keep = f8.float8_module_filter(Float8Section(enabled=True))
-    assert keep(nn.Linear(256, 272), "layers.0.feed_forward.w1")  # tensorwise: 16 suffices
+    assert keep(nn.Linear(512, 272), "layers.0.feed_forward.w1")  # tensorwise: 16 suffices
 
 
-def test_single_block_contractions_stay_bf16_and_tokens_pad_to_two_blocks():
-    """A GEMM contracting over one 128-block is wrong on the GPU (module docstring): such linears stay bf16,
-    and a few tokens are padded to two blocks, which changes no value against the one-block padding."""
+def test_contractions_not_of_4_blocks_stay_bf16_and_tokens_pad_to_4_blocks():
+    """A GEMM contracting over a number of 128-blocks not divisible by 4 is wrong on the GPU (module
+    docstring): such linears stay bf16, the GPU module refuses them, and tokens are padded to 4 blocks, which
+    changes no value against the one-block padding."""
     keep = f8.float8_module_filter(BLOCKWISE)
-    assert not keep(nn.Linear(256, 128), "a") and not keep(nn.Linear(128, 256), "a") and keep(nn.Linear(256, 256), "a")
+    for shape in ((512, 128), (128, 512), (512, 256), (768, 512), (512, 1536 + 128)):
+        assert not keep(nn.Linear(*shape), "a"), shape
+    assert keep(nn.Linear(512, 512), "a") and keep(nn.Linear(1536, 512), "a") and keep(nn.Linear(512, 2048), "a")
+    with pytest.raises(ValueError, match="divisible by 512"):
+        bw.BlockwiseFloat8Linear(512, 768)  # the GPU path: the check comes before torchao is needed
     torch.manual_seed(0)
-    lin = bw.BlockwiseFloat8Linear(256, 256, bias=False, emulate=True)
-    x = torch.randn(2, 24, 256, requires_grad=True)
+    lin = bw.BlockwiseFloat8Linear(512, 256, bias=False, emulate=True)
+    x = torch.randn(2, 24, 512, requires_grad=True)
     y = lin(x)
     y.backward(torch.ones_like(y))
-    x128 = nn.functional.pad(x.detach().reshape(48, 256), (0, 0, 0, 80)).requires_grad_(True)
+    x128 = nn.functional.pad(x.detach().reshape(48, 512), (0, 0, 0, 80)).requires_grad_(True)
     w = lin.weight.detach().clone().requires_grad_(True)
     ref = bw._EmulatedBlockwiseMM.apply(x128, w)
     ref.backward(torch.ones_like(ref) * (torch.arange(128) < 48)[:, None])
     assert torch.equal(y.reshape(48, 256), ref[:48])
-    assert torch.equal(x.grad.reshape(48, 256), x128.grad[:48]) and torch.equal(lin.weight.grad, w.grad)
+    assert torch.equal(x.grad.reshape(48, 512), x128.grad[:48]) and torch.equal(lin.weight.grad, w.grad)
 
 
 def test_mode_router_and_experts_stay_bf16():
-    args = dataclasses.replace(FLAVORS["mode_debug"], vocab_size=512, n_experts=128, max_seq_len=64)
+    args = dataclasses.replace(FLAVORS["mode_debug"], vocab_size=512, n_experts=128, max_seq_len=64, dim=512,
+                               n_heads=8, n_kv_heads=4)
     model = _meta(args)
     converted = f8.convert_to_float8(model, BLOCKWISE, emulate=True, log=lambda s: None)
     assert set(converted) == _fqns(4, BLOCK_LINEARS[:2])
@@ -271,11 +279,12 @@ def test_mode_router_and_experts_stay_bf16():
 
 
 def test_emulated_blockwise_decoder_trains_like_float32():
-    """A decoder with dims of two or more 128-blocks memorising one batch: every blockwise loss within 3% of
+    """A decoder with dims of multiples of 4 blocks memorising one batch: every blockwise loss within 3% of
     float32's."""
-    args = ModelArgs(vocab_size=256, dim=256, n_layers=2, n_heads=4, n_kv_heads=4, ffn_hidden=512,
-                     max_seq_len=32)
-    tokens = torch.randint(0, 256, (4, 33), generator=torch.Generator().manual_seed(0))
+    args = ModelArgs(vocab_size=256, dim=512, n_layers=2, n_heads=8, n_kv_heads=8, ffn_hidden=1024,
+                     max_seq_len=64)
+    # 16 x 64 tokens: the dim-512 model memorises 4 x 32 within 10 steps, to losses where 3% is rounding noise
+    tokens = torch.randint(0, 256, (16, 65), generator=torch.Generator().manual_seed(0))
     runs = {}
     for name in ("float32", "blockwise"):
         torch.manual_seed(0)
@@ -379,7 +388,7 @@ def test_gpu_compiled_forward_backward_as_accurate_as_eager():
     the same loss, and gradients as close to bf16's as the eager float8 run's. Compiled and eager float8
     differ by more than bf16 rounding (inductor rounds the quantisers' inputs differently, flipping e4m3
     roundings): on CPU, emulated, 3.5% apart while each is 6.5% from bf16, so the check is relative."""
-    args = ModelArgs(vocab_size=4096, dim=1024, n_layers=2, n_heads=8, n_kv_heads=4, ffn_hidden=2816,
+    args = ModelArgs(vocab_size=4096, dim=1024, n_layers=2, n_heads=8, n_kv_heads=4, ffn_hidden=3072,
                      max_seq_len=512)
     tokens = torch.randint(0, 4096, (4, 513), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     runs = {}
@@ -415,11 +424,13 @@ def test_gpu_trainer_runs_blockwise_steps(tmp_path):
         [sys.executable, "-m", "torchtitan_ext.train", "--config", "train_configs/debug.toml",
          "--job.device", "cuda", "--job.dump_folder", str(tmp_path / "run"), "--training.steps", "6",
          "--training.compile", "true", "--metrics.log_freq", "2", "--checkpoint.enabled", "false",
-         "--float8.enabled", "true", "--float8.recipe", "blockwise"],
+         "--float8.enabled", "true", "--float8.recipe", "blockwise",
+         # dims of 4-block multiples (the debug model's 256 / 768 stay bf16, the module docstring)
+         "--model.dim", "512", "--model.n_heads", "8", "--model.n_kv_heads", "8", "--model.ffn_hidden", "1536"],
         cwd=REPO, capture_output=True, text=True, timeout=280, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
-    assert "float8 blockwise: 20 linears converted" in out
+    assert "float8 blockwise: 28 linears converted" in out
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]
     assert len(losses) >= 3 and all(v == v for v in losses) and losses[-1] < losses[0]

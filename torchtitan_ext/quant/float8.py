@@ -7,7 +7,7 @@ and the only one whose weights FSDP2 can all-gather in float8 and whose TP all-g
 ``rowwise_with_gw_hp`` (rowwise, with the weight gradient computed in bf16) and ``blockwise`` (DeepSeek-V3's
 block scales: 1 x 128 activation and gradient blocks, 128 x 128 weight blocks, e4m3 throughout; swapped in
 by ``quant/float8_blockwise.py`` over torchao's prototype kernels; Hopper only, no TP, in/out features
-multiples of 128).
+multiples of 512).
 
 Which linears stay in bf16 (``float8_module_filter``): the FQNs listed in ``filter_fqns`` (the output head by
 default: its logits feed the loss and it is a large share of the error; ``include_output`` converts it anyway,
@@ -15,7 +15,8 @@ and under TP each rank then casts its own vocabulary shard of the head, with the
 amax over the shards; compiled, the head is its own graph), MoDE routers (an FP8 rounding can flip a top-k
 choice, and the GEMM is tiny), and any linear whose in/out features are below ``min_dim`` or not
 divisible by 16 (``torch._scaled_mm`` needs multiples of 16; small GEMMs lose more to the casts than the FP8
-GEMM saves); for ``blockwise``, not divisible by 128 (the scale blocks).
+GEMM saves); for ``blockwise``, not divisible by 512 (4 scale blocks: cuBLAS computes other contractions
+wrong, ``quant/float8_blockwise.py``).
 
 MoDE experts stay in bf16 unless ``float8.experts = true``: then ``quant/float8_experts.py`` swaps each
 ``GroupedExperts`` for ``Float8GroupedExperts`` (same parameters), whose grouped GEMMs run through torchao
@@ -45,7 +46,7 @@ import torch.nn as nn
 
 from torchtitan_ext.config.job_config import Float8Section
 from torchtitan_ext.config.loader import ConfigError
-from torchtitan_ext.quant.float8_blockwise import BLOCK, MIN_BLOCKS, convert_to_blockwise
+from torchtitan_ext.quant.float8_blockwise import BLOCK, CONTRACTION_MULTIPLE, convert_to_blockwise
 
 if TYPE_CHECKING:
     from torchao.float8 import Float8LinearConfig
@@ -131,8 +132,8 @@ def _skip_reason(cfg: Float8Section, module: nn.Module, fqn: str) -> str | None:
             return f"{name} {size} < min_dim {cfg.min_dim}"
         if size % multiple:
             return f"{name} {size} not divisible by {multiple}" + (" (blockwise)" if multiple == BLOCK else "")
-        if multiple == BLOCK and size < MIN_BLOCKS * BLOCK:
-            return f"{name} {size} is one 128-block (blockwise needs {MIN_BLOCKS * BLOCK}+)"
+        if multiple == BLOCK and size % CONTRACTION_MULTIPLE:
+            return f"{name} {size} not divisible by {CONTRACTION_MULTIPLE} (blockwise)"
     return None
 
 

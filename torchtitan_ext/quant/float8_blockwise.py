@@ -23,10 +23,14 @@ cuBLAS on an 8192 x 4096 x 14336 GEMM (slower than bf16) and fails to compile un
 its ``weight`` (and ``bias``) parameters, so checkpoints, FSDP and the initialisation plan see the same
 names and shapes.
 
-A GEMM whose contraction is a single 128-block comes out wrong on the GPU path (torch 2.11, H200: the input
-gradient of a 256 -> 128 linear 70% off compiled; eager, values whose norm overflows float32;
-benchmarks/probe_blockwise_shapes.py). So the conversion keeps linears with in or out features of 128 in bf16
-(``MIN_BLOCKS``), and token counts are padded to at least two blocks for the weight gradient.
+cuBLAS's block-scaled GEMM reads the 128 x 128 weight scales with their contraction-block count rounded up to
+a multiple of 4 (torch's checks for ``_scaled_mm_v2`` spell out this layout, ``L4 = round_up(K / 128, 4)``);
+torchao 0.17 hands it unpadded scales, which ``torch._scaled_mm`` accepts. Any contraction of a number of
+blocks not divisible by 4 then comes out wrong (torch 2.11, H200, benchmarks/probe_blockwise_shapes.py: the
+outputs of 256 -> 256 and 256 -> 768 linears 66x and 2,269x off, 768 -> 256 1.6x; 1024 -> 2048 within 0.3% of
+the emulation). The forward contracts over in_features, the input gradient over out_features: so only linears
+whose in and out features are multiples of 512 (``CONTRACTION_MULTIPLE``) convert, the rest stay bf16 with
+the reason logged, and token counts are zero-padded to a multiple of 512 for the weight gradient.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import torch.nn.functional as F
 BLOCK = 128
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448
-MIN_BLOCKS = 2  # blocks along every GEMM's contraction dim (see the module docstring)
+CONTRACTION_MULTIPLE = 4 * BLOCK  # every GEMM's contraction: a multiple of 4 blocks (the module docstring)
 EPS = 1e-12  # amax floor (torchao's kernels use the same): a zero block gets a tiny scale, not a division by 0
 
 
@@ -109,22 +113,31 @@ class BlockwiseFloat8Linear(nn.Linear):
     ``emulate``: the plain-torch path (any device; tests). Otherwise CUDA (compute capability 9.0) through
     torchao's prototype with cuBLAS GEMMs. Under
     autocast the input is cast to the autocast dtype first (as torchao's Float8Linear does); the weight is
-    quantised from its own dtype. Token counts are zero-padded to a multiple of 128, and at least 256, for the
-    wgrad blocks."""
+    quantised from its own dtype. Token counts are zero-padded to a multiple of 512 for the wgrad blocks.
+    The GPU path refuses in/out features that are not multiples of 512 (wrong results, the module docstring)
+    unless ``unchecked_shapes`` (benchmarks/probe_blockwise_shapes.py measures them)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, emulate: bool = False,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+                 unchecked_shapes: bool = False, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         if in_features % BLOCK or out_features % BLOCK:
             raise ValueError(f"block-scaled float8 needs in/out features divisible by {BLOCK}, got "
+                             f"{in_features} x {out_features}")
+        if not emulate and not unchecked_shapes and (in_features % CONTRACTION_MULTIPLE
+                                                     or out_features % CONTRACTION_MULTIPLE):
+            raise ValueError(f"block-scaled float8 on the GPU needs in/out features divisible by "
+                             f"{CONTRACTION_MULTIPLE} (cuBLAS computes other contractions wrong), got "
                              f"{in_features} x {out_features}")
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.emulate = emulate
         self._mm = None if emulate else _torchao_blockwise_mm()
 
     @classmethod
-    def from_linear(cls, mod: nn.Linear, *, emulate: bool = False) -> BlockwiseFloat8Linear:
+    def from_linear(cls, mod: nn.Linear, *, emulate: bool = False, unchecked_shapes: bool = False
+                    ) -> BlockwiseFloat8Linear:
         """The swap: a new module sharing ``mod``'s parameter objects (meta or materialised)."""
-        new = cls(mod.in_features, mod.out_features, mod.bias is not None, emulate=emulate, device="meta")
+        new = cls(mod.in_features, mod.out_features, mod.bias is not None, emulate=emulate,
+                  unchecked_shapes=unchecked_shapes, device="meta")
         new.weight = mod.weight
         new.bias = mod.bias
         return new
@@ -134,7 +147,7 @@ class BlockwiseFloat8Linear(nn.Linear):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        pad = max(-x2.shape[0] % BLOCK, MIN_BLOCKS * BLOCK - x2.shape[0])
+        pad = -x2.shape[0] % CONTRACTION_MULTIPLE
         if pad:
             x2 = F.pad(x2, (0, 0, 0, pad))
         if self._mm is None:
