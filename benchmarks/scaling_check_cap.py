@@ -45,7 +45,7 @@ def main(argv: list[str]) -> int:
               + ", ".join(f"N {n:.0f} x D {d:.0f} ({6 * n * d:.3g})" for n, d in over))
         return 1
     if rows:
-        print(f"{len(rows)} small runs; the largest uses 1/{cap * 10 / max(6 * n * d for n, d in rows):.1f} of the "
+        print(f"{len(rows)} small runs; the largest uses {max(6 * n * d for n, d in rows) / (cap * 10):.3f} of the "
               f"target's {cap * 10:.3g} FLOPs")
     return 0
 
