@@ -29,12 +29,16 @@ def planned(width: int, tokens: float, scale: float, overrides: list[str]) -> tu
 def main(argv: list[str]) -> int:
     head, overrides = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     scale, target, small, runs = float(head[0]), head[1], head[2], head[3]
-    width, tokens = target.split(":")
-    n_t, d_t = planned(int(width), float(tokens), scale, overrides)
+    parts = target.split(":")
+    if len(parts) != 2:
+        raise ValueError(f"TARGET={target!r}: expected WIDTH:TOKENS (e.g. 512:100e6)")
+    n_t, d_t = planned(int(parts[0]), float(parts[1]), scale, overrides)
     cap = 6 * n_t * d_t / 10
     print(f"{n_t},{d_t}")
     rows = [(float(r["params"]), float(r["tokens"])) for r in csv.DictReader(open(runs))] if runs else []
     for spec in small.split():
+        if spec.count(":") != 2:
+            raise ValueError(f"SMALL entry {spec!r}: expected WIDTH:PARALLEL:TOKENS[,TOKENS...]")
         w, _, budgets = spec.split(":")
         rows += [planned(int(w), float(t), scale, overrides) for t in budgets.split(",")]
     over = [(n, d) for n, d in rows if 6 * n * d > cap * (1 + 1e-9)]
