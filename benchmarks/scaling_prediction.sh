@@ -22,7 +22,7 @@
 #   target: TARGET, default width 320 (4.67M non-embedding parameters) x 100M tokens (2.8e15 FLOPs)
 #   RUNS: a runs.csv of small runs trained before (an earlier OUT/runs.csv): the fit uses them too. With RUNS,
 #         SMALL defaults to none (only the target trains); set SMALL to train more small runs beside them.
-#   PREDICT_ONLY=1: train the small runs, fit, write the target's prediction (OUT/prediction.json) and stop;
+#   PREDICT_ONLY=1: train the small runs, fit, write the target's prediction (OUT/fit.json) and stop;
 #         OUT/runs.csv then holds every small run, for a later RUNS=OUT/runs.csv call that trains the target
 #         (the prediction is on record before the target trains).
 #   MUP_BASE: a width (e.g. 256): every run in muP (model.parametrization = mup, mup_base_dim MUP_BASE) at the
@@ -92,18 +92,15 @@ for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
   for w in "${widths[@]}"; do tail -n +2 "$OUT/small_w$w/runs.csv" | tr -d '\r'; done; } > "$OUT/runs.csv"
 cat "$OUT/runs.csv"
 n_d=$(head -n 1 "$OUT/cap.txt"); n=${n_d%,*}; d=${n_d#*,}
+python3 -m torchtitan_ext.scaling fit --input "$OUT/runs.csv" --predict "$n,$d" --plot "$OUT/fit.png" \
+    > "$OUT/fit.json" || exit 1
+cat "$OUT/fit.json"
 if (( PREDICT_ONLY )); then
-    python3 -m torchtitan_ext.scaling fit --input "$OUT/runs.csv" --predict "$n,$d" --plot "$OUT/fit.png" \
-        > "$OUT/prediction.json" || exit 1
-    cat "$OUT/prediction.json"
     echo "predicted for the target $TARGET (N $n, D $d); train it with RUNS=$OUT/runs.csv. total: $((SECONDS - t0)) s"
     exit 0
 fi
 target=$(tail -n 1 "$OUT/target/runs.csv" | tr -d '\r')
 echo "target run (params,tokens,loss,run): $target"
-python3 -m torchtitan_ext.scaling fit --input "$OUT/runs.csv" --predict "$n,$d" --plot "$OUT/fit.png" \
-    > "$OUT/fit.json" || exit 1
-cat "$OUT/fit.json"
 python3 -m torchtitan_ext.scaling fit --input "$OUT/runs.csv" --flops "$(python3 -c "print(6 * $n * $d)")"  # its split
 python3 - "$OUT/fit.json" "$target" <<'EOF'
 import json, sys
