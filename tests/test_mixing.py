@@ -133,7 +133,8 @@ def test_bad_domain_table_is_one_line(tmp_path):
     cfg = tmp_path / "bad.toml"
     cfg.write_text('[[data.domains]]\nname = "a"\ntrain = "/nonexistent/*.bin"\nweight = "heavy"\n')
     proc = subprocess.run([sys.executable, "-m", "torchtitan_ext.train", "--config", str(cfg),
-                           "--data.tokenizer", "byte"], cwd=REPO, capture_output=True, text=True, timeout=120)
+                           "--data.tokenizer", "byte", "--job.dump_folder", str(tmp_path / "run")],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)  # not the repo's outputs/
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["error: data.domains[0].weight: expected number, got 'heavy'"]
 
