@@ -118,25 +118,24 @@ class ModelArgs:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} = {getattr(self, name)}: expected > 0")
         for name in ("n_kv_heads", "head_dim", "nope_every", "logit_softcap", "n_experts", "moe_hidden",
-                     "aux_loss_coef", "router_z_loss_coef", "bias_update_rate"):
+                     "aux_loss_coef", "router_z_loss_coef", "bias_update_rate", "mup_base_dim", "mup_base_head_dim"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} = {getattr(self, name)}: expected >= 0")
-        if self.n_heads <= 0 or (not self.head_dim and self.dim % self.n_heads):
+        for name in ("moe_every", "kv_share_group"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} = {getattr(self, name)}: expected >= 1")
+        for name, allowed in (("activation", ("swiglu", "relu2")), ("kv_share", ("none", "interleaved")),
+                              ("rope_scaling", ("none", "llama3")), ("parametrization", ("standard", "mup"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} = {getattr(self, name)!r}: expected {' or '.join(map(repr, allowed))}")
+        if not self.head_dim and self.dim % self.n_heads:
             raise ValueError(f"dim = {self.dim} is not divisible by n_heads = {self.n_heads}")
         if self.n_heads % self.kv_heads:
             raise ValueError(f"n_heads = {self.n_heads} is not divisible by n_kv_heads = {self.kv_heads}")
-        if self.activation not in ("swiglu", "relu2"):
-            raise ValueError(f"activation = {self.activation!r}: expected 'swiglu' or 'relu2'")
         if not 0.0 <= self.rope_fraction <= 1.0:
             raise ValueError(f"rope_fraction = {self.rope_fraction}: expected within [0, 1]")
         if self.n_experts and not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"top_k = {self.top_k}: expected between 1 and n_experts = {self.n_experts}")
-        if self.moe_every < 1:
-            raise ValueError(f"moe_every = {self.moe_every}: expected >= 1")
-        if self.kv_share not in ("none", "interleaved"):
-            raise ValueError(f"kv_share = {self.kv_share!r}: expected 'none' or 'interleaved'")
-        if self.rope_scaling not in ("none", "llama3"):
-            raise ValueError(f"rope_scaling = {self.rope_scaling!r}: expected 'none' or 'llama3'")
         if self.rope_scaling == "llama3":
             for name in ("rope_scaling_factor", "rope_low_freq_factor", "rope_original_max_seq_len"):
                 if not getattr(self, name) > 0:
@@ -144,11 +143,3 @@ class ModelArgs:
             if not self.rope_high_freq_factor > self.rope_low_freq_factor:
                 raise ValueError(f"rope_high_freq_factor = {self.rope_high_freq_factor}: expected > "
                                  f"rope_low_freq_factor = {self.rope_low_freq_factor}")
-        if self.kv_share_group < 1:
-            raise ValueError(f"kv_share_group = {self.kv_share_group}: expected >= 1")
-        if self.parametrization not in ("standard", "mup"):
-            raise ValueError(f"parametrization = {self.parametrization!r}: expected 'standard' or 'mup'")
-        if self.mup_base_dim < 0:
-            raise ValueError(f"mup_base_dim = {self.mup_base_dim}: expected >= 0")
-        if self.mup_base_head_dim < 0:
-            raise ValueError(f"mup_base_head_dim = {self.mup_base_head_dim}: expected >= 0")

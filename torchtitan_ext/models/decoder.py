@@ -300,9 +300,6 @@ def fill_param_(fqn: str, t: torch.Tensor, kind: str, std: float, seed: int, row
     if kind == "ones":
         t.fill_(1.0)
         return
-    if kind == "zeros":
-        t.zero_()
-        return
     start, stop = (0, t.shape[0]) if rows is None else (rows.start, rows.stop)
     rest = tuple(t.shape[1:])
     block_rows = max(1, _BLOCK_ELEMS // max(1, math.prod(rest)))

@@ -41,8 +41,6 @@ FLAVORS: dict[str, ModelArgs] = {
 
 
 def get_flavor(name: str) -> ModelArgs:
-    from torchtitan_ext.config.loader import ConfigError
-
     if name not in FLAVORS:
         raise ConfigError(f"model.flavor = {name!r}: expected one of {', '.join(FLAVORS)}")
     return FLAVORS[name]

@@ -16,17 +16,15 @@ def count_params(a: ModelArgs) -> dict[str, int]:
     total = active = 0
     for layer in range(a.n_layers):
         own_kv = a.computes_kv(layer)
-        attention = a.dim * a.n_heads * hd * 2 + (a.dim * a.kv_heads * hd * 2 if own_kv else 0) + \
-            ((2 if own_kv else 1) * hd if a.qk_norm else 0)
-        norms = 2 * a.dim
+        common = a.dim * a.n_heads * hd * 2 + (a.dim * a.kv_heads * hd * 2 if own_kv else 0) + \
+            ((2 if own_kv else 1) * hd if a.qk_norm else 0) + 2 * a.dim  # attention and the two norms
         if a.is_moe(layer):
-            shared = expert if a.shared_expert else 0
-            router = a.dim * a.n_experts
-            total += attention + norms + router + a.n_experts * expert + shared
-            active += attention + norms + router + a.top_k * expert + shared
+            common += a.dim * a.n_experts + (expert if a.shared_expert else 0)  # router and shared expert
+            total += common + a.n_experts * expert
+            active += common + a.top_k * expert
         else:
-            total += attention + norms + dense_ffn
-            active += attention + norms + dense_ffn
+            total += common + dense_ffn
+            active += common + dense_ffn
     embedding = a.vocab_size * a.dim
     rest = embedding + a.dim + (0 if a.tie_embeddings else embedding)
     return {"total": total + rest, "active": active + rest, "embedding": embedding,
