@@ -31,11 +31,6 @@ FSDP_UNSHARDED_UNITS = 2
 ALLOCATOR_OVERHEAD = 1.05
 
 
-def tokenizer_vocab(cfg: JobConfig) -> int:
-    """The tokenizer's vocabulary without building it (the builtin one is trained on first use)."""
-    return vocab_size_of(cfg.data.tokenizer, cfg.data.tokenizer_vocab_size)
-
-
 def block_activations(args: ModelArgs, layer: int, act: int, norm: str = "fused", compiled: bool = False,
                       tp: int = 1) -> dict[str, float]:
     """Bytes autograd saves per token in block ``layer`` (no checkpointing), by source. ``act``:
@@ -50,9 +45,8 @@ def block_activations(args: ModelArgs, layer: int, act: int, norm: str = "fused"
     def rms(width: int, sharded_seq: bool) -> float:
         per = (act * width + F32) if norm == "fused" else (2 * F32 * width + F32)
         return per / (tp if sharded_seq else 1)
-    out: dict[str, float] = {}
-    out["attention_norm"] = rms(d, True)
-    out["qkv_input"] = act * d  # the norm's output, all-gathered over the sequence under SP
+    out = {"attention_norm": rms(d, True),
+           "qkv_input": act * d}  # the norm's output, all-gathered over the sequence under SP
     kv = args.computes_kv(layer)
     q_dims, k_dims = hq * hd, (hk * hd if kv else 0)
     if args.qk_norm:
@@ -65,10 +59,8 @@ def block_activations(args: ModelArgs, layer: int, act: int, norm: str = "fused"
     else:
         f = args.ffn_hidden // tp
         out["ffn_input"] = act * d
-        if args.activation == "swiglu":
-            out["ffn_hidden"] = act * f * (3 if compiled else 4)  # w1 x, w3 x, w2's input (+ silu eager)
-        else:
-            out["ffn_hidden"] = act * f * 2  # relu output, its square (w2's input)
+        # swiglu: w1 x, w3 x, w2's input (+ silu eager); relu2: the relu output, its square (w2's input)
+        out["ffn_hidden"] = act * f * ((3 if compiled else 4) if args.activation == "swiglu" else 2)
     return out
 
 
@@ -127,37 +119,40 @@ def _param_groups(args: ModelArgs) -> dict[str, int]:
         model = Decoder(args)
     groups = {"embedding": 0, "head": 0, "norms": 0, "matrices": 0, "experts": 0, "routers": 0}
     for name, p in model.named_parameters():
-        if name.startswith("tok_embeddings"):
-            groups["embedding"] += p.numel()
-        elif name.startswith("output"):
-            groups["head"] += p.numel()
-        elif p.ndim < 2:
-            groups["norms"] += p.numel()
-        elif ".experts." in name:
-            groups["experts"] += p.numel()
-        elif ".router." in name:
-            groups["routers"] += p.numel()
-        else:
-            groups["matrices"] += p.numel()
+        group = ("embedding" if name.startswith("tok_embeddings") else "head" if name.startswith("output")
+                 else "norms" if p.ndim < 2 else "experts" if ".experts." in name
+                 else "routers" if ".router." in name else "matrices")
+        groups[group] += p.numel()
     return groups
 
 
-@dataclass
 class _Job:
-    """What each step of :func:`plan` reads: the config, the layout, the parameter groups of the real module
-    tree and, derived once, the heaviest pipeline stage's ``layers``, FSDP's ``shard`` count (1 without
-    FSDP), bytes per activation element ``act``, the embedding and head parameters on that stage ``ends``
-    (one of them under pipeline parallelism), its block matrices, experts and routers ``block`` (before TP
-    and FSDP) and the ``tokens`` of one micro-batch."""
-    cfg: JobConfig
-    dims: ParallelDims
-    args: ModelArgs
-    g: dict[str, int]
+    """What each step of :func:`plan` reads: the config, the layout (ConfigError where it does not fit the
+    model), the parameter groups ``g`` of the real module tree and, derived once, the heaviest pipeline
+    stage's ``layers``, FSDP's ``shard`` count (1 without FSDP), bytes per activation element ``act``, the
+    embedding and head parameters on that stage ``ends`` (one of them under pipeline parallelism), its block
+    matrices, experts and routers ``block`` (before TP and FSDP) and the ``tokens`` of one micro-batch."""
 
-    def __post_init__(self) -> None:
-        g, dims, t = self.g, self.dims, self.cfg.training
-        self.layers = math.ceil(self.args.n_layers / dims.pp)
-        self.frac_layers = self.layers / self.args.n_layers
+    def __init__(self, cfg: JobConfig, world: int) -> None:
+        from torchtitan_ext.models.flavors import resolve_model_args
+
+        try:
+            dims = ParallelDims.from_config(cfg.parallelism, world)
+        except ParallelDimsError as e:
+            raise ConfigError(str(e)) from None
+        # The tokenizer's vocabulary without building it (the builtin one is trained on first use).
+        args = resolve_model_args(cfg, vocab_size_of(cfg.data.tokenizer, cfg.data.tokenizer_vocab_size))
+        if args.n_heads % dims.tp or args.kv_heads % dims.tp:
+            raise ConfigError(f"model heads {args.n_heads} / kv heads {args.kv_heads} not divisible by "
+                              f"parallelism.tp = {dims.tp}")
+        if args.n_experts and args.n_experts % dims.ep:
+            raise ConfigError(f"model.n_experts = {args.n_experts} not divisible by parallelism.ep = {dims.ep}")
+        if args.n_layers < dims.pp * cfg.parallelism.pp_virtual_stages:
+            raise ConfigError(f"{args.n_layers} layers cannot fill {dims.pp} pipeline stages")
+        g, t = _param_groups(args), cfg.training
+        self.cfg, self.dims, self.args, self.g = cfg, dims, args, g
+        self.layers = math.ceil(args.n_layers / dims.pp)
+        self.frac_layers = self.layers / args.n_layers
         self.shard = dims.dp_shard if dims.fsdp_enabled else 1
         self.act = 2 if t.mixed_precision_param == "bfloat16" else F32
         self.ends = max(g["embedding"], g["head"]) if dims.pp > 1 else g["embedding"] + g["head"]
@@ -167,31 +162,12 @@ class _Job:
 
 def plan(cfg: JobConfig, world: int) -> Plan:
     """The per-rank memory and per-step communication of ``cfg`` on ``world`` GPUs."""
-    job = _job(cfg, world)
+    job = _Job(cfg, world)
     p = Plan(world, job.dims, job.args)
     _parameter_memory(p, job)
     _activation_memory(p, job)
-    p.comm = communication(cfg, job.dims, job.args, job.g, job.act, job.tokens)
+    p.comm = communication(job)
     return p
-
-
-def _job(cfg: JobConfig, world: int) -> _Job:
-    """The layout and model of ``cfg`` on ``world`` GPUs; ConfigError where they do not fit together."""
-    from torchtitan_ext.models.flavors import resolve_model_args
-
-    try:
-        dims = ParallelDims.from_config(cfg.parallelism, world)
-    except ParallelDimsError as e:
-        raise ConfigError(str(e)) from None
-    args = resolve_model_args(cfg, tokenizer_vocab(cfg))
-    if args.n_heads % dims.tp or args.kv_heads % dims.tp:
-        raise ConfigError(f"model heads {args.n_heads} / kv heads {args.kv_heads} not divisible by "
-                          f"parallelism.tp = {dims.tp}")
-    if args.n_experts and args.n_experts % dims.ep:
-        raise ConfigError(f"model.n_experts = {args.n_experts} not divisible by parallelism.ep = {dims.ep}")
-    if args.n_layers < dims.pp * cfg.parallelism.pp_virtual_stages:
-        raise ConfigError(f"{args.n_layers} layers cannot fill {dims.pp} pipeline stages")
-    return _Job(cfg, dims, args, _param_groups(args))
 
 
 def _parameter_memory(p: Plan, job: _Job) -> None:
@@ -232,8 +208,7 @@ def _activation_memory(p: Plan, job: _Job) -> None:
     per_layer_stage = sorted(per_layer, reverse=True)[:layers]
     full = sum(per_layer_stage) * tokens
     if cfg.float8.enabled:  # float8 linears save their fp8 inputs (1 byte) and fp8 weights, not bf16 inputs
-        f8_saving = sum(float8_input_saving(args, i, dims.tp) for i in range(layers)) * tokens
-        full -= f8_saving
+        full -= sum(float8_input_saving(args, i, dims.tp) for i in range(layers)) * tokens
         p.memory["float8 weight copies"] = (job.g["matrices"] * job.frac_layers) / dims.tp * 1
     ac = cfg.activation_checkpoint
     block_input = act * args.dim / dims.tp * tokens
@@ -291,20 +266,18 @@ def selective_activations(args: ModelArgs, layer: int, act: int, tp: int) -> flo
     return out
 
 
-def communication(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, g: dict[str, int], act: int,
-                  tokens: int) -> dict[str, float]:
+def communication(job: _Job) -> dict[str, float]:
     """Bytes each rank sends per optimizer step on each mesh dimension (ring collectives: (n-1)/n of the
     buffer per all-gather / reduce-scatter, twice that per all-reduce)."""
-    t = cfg.training
+    dims, args, g, act, tokens = job.dims, job.args, job.g, job.act, job.tokens
+    layers, frac, t = job.layers, job.frac_layers, job.cfg.training
     per_micro = max(1, (t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dims.dp)
                     // (t.local_batch_size * dims.dp))
-    layers = math.ceil(args.n_layers / dims.pp)
-    frac = layers / args.n_layers
     stage = ((g["matrices"] + g["routers"]) * frac + max(g["embedding"], g["head"])
              * (1 if dims.pp > 1 else 2)) / dims.tp + g["norms"] * frac
     experts = g["experts"] * frac / dims.tp / dims.ep  # FSDP-sharded over dp_shard / ep only
     red = F32 if t.mixed_precision_reduce == "float32" else 2
-    squinch = cfg.comm.gradient_compression == "squinch"
+    squinch = job.cfg.comm.gradient_compression == "squinch"
     ratio = (6 / 32 if red == F32 else 6 / 16) if squinch else 1.0
     out: dict[str, float] = {}
     if dims.fsdp_enabled and dims.dp_shard > 1:
