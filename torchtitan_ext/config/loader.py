@@ -57,17 +57,13 @@ def _coerce(value: Any, f: dataclasses.Field, where: str, from_cli: bool) -> Any
             value = _as_bool(value, from_cli)
         elif kind == "bool":
             value = _as_bool(value, from_cli)
-        elif kind == "int":
+        elif kind in ("int", "float"):  # a TOML int is a valid float; a bool is neither
+            number = int if kind == "int" else float
             if from_cli and isinstance(value, str):
-                value = int(value)
-            elif isinstance(value, bool) or not isinstance(value, int):
+                value = number(value)
+            elif isinstance(value, bool) or not isinstance(value, (int, number)):
                 raise TypeError
-        elif kind == "float":
-            if from_cli and isinstance(value, str):
-                value = float(value)
-            elif isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError
-            value = float(value)
+            value = number(value)
         elif kind == "str":
             if not isinstance(value, str):
                 raise TypeError
@@ -157,15 +153,11 @@ def help_text() -> str:
         lines.append(f"[{sec_field.name}]")
         for f in dataclasses.fields(sec_field.default_factory()):
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            rules = []
-            if f.metadata.get("choices"):
-                rules.append("one of " + "|".join(map(str, f.metadata["choices"])))
-            if f.metadata.get("min") is not None:
-                rules.append(f">= {f.metadata['min']}")
-            if f.metadata.get("max") is not None:
-                rules.append(f"<= {f.metadata['max']}")
+            meta = f.metadata
+            rules = ["one of " + "|".join(map(str, meta["choices"]))] if meta.get("choices") else []
+            rules += [f"{op} {meta[k]}" for k, op in (("min", ">="), ("max", "<=")) if meta.get(k) is not None]
             rule = f" ({', '.join(rules)})" if rules else ""
-            lines.append(f"  --{sec_field.name}.{f.name} = {_toml_value(default)}  {f.metadata['help']}{rule}")
+            lines.append(f"  --{sec_field.name}.{f.name} = {_toml_value(default)}  {meta['help']}{rule}")
         lines.append("")
     return "\n".join(lines)
 
