@@ -6,7 +6,7 @@ with torch.profiler. Prints one JSON line (tokens/s, peak memory, per-step losse
 the most GPU time; both go to stdout for benchmarks/bench_vs_plain.sh to record. ``SYNC_DEBUG=1``: also
 warn (stderr) at every operation that makes the host wait for the GPU while a timed step is being queued.
 ``TRACE_GAPS=1``: then trace 2 more steps with host activity and Python stacks and print where the GPU sat
-idle (benchmarks/trace_gaps.py).
+idle (benchmarks/trace_gaps.py). ``TOP_KERNELS=N``: list N kernels instead of 15.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def main() -> None:
     events.sort(key=lambda e: e.device_time_total, reverse=True)
     total = sum(e.device_time_total for e in events)
     print(f"top kernels of {name} (2 steps, GPU time {total / 2e3:.1f} ms per step):")
-    for e in events[:15]:
+    for e in events[:int(os.environ.get("TOP_KERNELS", "15"))]:
         print(f"  {e.device_time_total / 2e3:8.2f} ms/step {100 * e.device_time_total / total:5.1f}%  "
               f"x{e.count // 2:<5d} {e.key[:90]}")
     sys.stdout.flush()
