@@ -39,20 +39,13 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int, moe_
     ops a different number of times in the recomputation and stops (pytorch/pytorch#196862, not in torch
     <= 2.13). Those blocks are recomputed in full instead; returns how many were."""
     in_full_instead = 0
-    if mode == "none":
-        return in_full_instead
     for i, (name, block) in enumerate(list(model.layers.items())):
-        op_level_unsafe = moe_fsdp_units and isinstance(block.feed_forward, MoDE)
-        if mode == "selective" and every > 0:
-            if i % every:
-                continue
-            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
-        elif mode == "selective" and not op_level_unsafe:
-            wrapped = checkpoint_wrapper(
-                block, preserve_rng_state=False,
-                context_fn=partial(create_selective_checkpoint_contexts, _policy))
-        else:
-            in_full_instead += mode == "selective"
-            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
-        model.layers[name] = wrapped
+        if mode == "none" or mode == "selective" and every > 0 and i % every:
+            continue
+        op_level = mode == "selective" and not every > 0
+        if op_level and moe_fsdp_units and isinstance(block.feed_forward, MoDE):
+            in_full_instead += 1
+            op_level = False
+        context = {"context_fn": partial(create_selective_checkpoint_contexts, _policy)} if op_level else {}
+        model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False, **context)
     return in_full_instead

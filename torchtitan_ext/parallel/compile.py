@@ -53,6 +53,4 @@ def _compile_around_experts(block: nn.Module) -> None:
 def clean_fqn(name: str) -> str:
     """A parameter's name as the plain model knows it, without wrapper prefixes (compile, AC, DDP)."""
     parts = [p for p in name.split(".") if p not in ("_orig_mod", "_checkpoint_wrapped_module")]
-    if parts and parts[0] == "module":
-        parts = parts[1:]
-    return ".".join(parts)
+    return ".".join(parts).removeprefix("module.")

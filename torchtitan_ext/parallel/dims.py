@@ -43,21 +43,17 @@ class ParallelDims:
         if p.dp_replicate == -1 and p.dp_shard == -1:
             raise ParallelDimsError("parallelism: dp_replicate and dp_shard are both -1 (the rest of the world "
                                     "size); set one of them")
-        dp_replicate, dp_shard = p.dp_replicate, p.dp_shard
-        if -1 in (dp_replicate, dp_shard):
-            fixed = [("dp_replicate", dp_replicate), ("dp_shard", dp_shard), ("tp", p.tp), ("pp", p.pp)]
-            fixed = [(k, v) for k, v in fixed if v != -1]
+        sizes = {"dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard}
+        if -1 in sizes.values():
+            rest = "dp_replicate" if sizes["dp_replicate"] == -1 else "dp_shard"
+            fixed = [(k, v) for k, v in {**sizes, "tp": p.tp, "pp": p.pp}.items() if v != -1]
             others = math.prod(v for _, v in fixed)
             if world_size < 1 or world_size % others:
-                rest = "dp_replicate" if dp_replicate == -1 else "dp_shard"
                 raise ParallelDimsError(
                     f"parallelism: {' x '.join(f'{k}({v})' for k, v in fixed)} = {others}, but the world size is "
                     f"{world_size}, not a multiple of it ({rest} = -1 takes the ranks left)")
-            if dp_replicate == -1:
-                dp_replicate = world_size // others
-            else:
-                dp_shard = world_size // others
-        dims = cls(dp_replicate, dp_shard, p.tp, p.pp, p.ep, world_size, p.dp_mode)
+            sizes[rest] = world_size // others
+        dims = cls(sizes["dp_replicate"], sizes["dp_shard"], p.tp, p.pp, p.ep, world_size, p.dp_mode)
         dims.validate()
         return dims
 

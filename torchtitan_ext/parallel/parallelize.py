@@ -29,8 +29,7 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, cfg: JobConfig, on
             enable_async_tp(dims.submesh("tp"), compiled=cfg.training.compile, on_gpu=on_gpu)
     if dims.ep > 1:
         apply_ep(model, dims.submesh("ep_tp" if dims.tp > 1 else "ep"), data_parallel_share=dims.ep)
-    has_moe = any(isinstance(block.feed_forward, MoDE) for block in model.layers.values())
-    moe_under_tp = dims.tp > 1 and has_moe
+    moe_under_tp = dims.tp > 1 and any(isinstance(block.feed_forward, MoDE) for block in model.layers.values())
     moe_fsdp_units = dims.ep > 1 or moe_under_tp  # the experts (EP) or the MoDE layers (TP) shard on their own
     ac = cfg.activation_checkpoint
     if apply_activation_checkpointing(model, ac.mode, ac.selective_every, moe_fsdp_units):
@@ -48,16 +47,11 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, cfg: JobConfig, on
         # Native HSDP on a 2-D mesh, unless Squinch replaces its replicate all-reduce (then FSDP shards over
         # dp_shard alone and the trainer averages the replicas after the backward pass).
         hsdp = dims.dp_replicate > 1 and not replicate_all_reduce_replaced(cfg.comm, dims)
-        mesh = None
-        if dims.fsdp_enabled:
-            mesh = dims.submesh("dp_replicate", "dp_shard") if hsdp else dims.submesh("dp_shard")
-        experts_mesh = None
-        if dims.ep > 1:  # the data-parallel ranks left after EP; HSDP replicates the experts too
-            experts_mesh = (dims.submesh("dp_replicate", "dp_shard_mod_ep") if hsdp
-                            else dims.submesh("dp_shard_mod_ep"))
-        moe_mesh = None
-        if moe_under_tp:  # HSDP replicates the MoDE parameters over dp_replicate too
-            moe_mesh = dims.submesh("dp_replicate", "dp_shard_tp") if hsdp else dims.submesh("dp_shard_tp")
-        apply_fsdp(model, mesh, param_dtype, DTYPES[cfg.training.mixed_precision_reduce],
-                   reshard_after_forward=dims.pp == 1, experts_mesh=experts_mesh,
-                   moe_mesh=moe_mesh, tp=dims.tp)
+
+        def dp_mesh(shard_dim: str):  # HSDP replicates over dp_replicate too
+            return dims.submesh("dp_replicate", shard_dim) if hsdp else dims.submesh(shard_dim)
+
+        apply_fsdp(model, dp_mesh("dp_shard") if dims.fsdp_enabled else None, param_dtype,
+                   DTYPES[cfg.training.mixed_precision_reduce], reshard_after_forward=dims.pp == 1,
+                   experts_mesh=dp_mesh("dp_shard_mod_ep") if dims.ep > 1 else None,  # the dp ranks left after EP
+                   moe_mesh=dp_mesh("dp_shard_tp") if moe_under_tp else None, tp=dims.tp)

@@ -45,14 +45,13 @@ def layer_ranges(n_layers: int, n_stages: int, split_points: list[str]) -> list[
         if any(a >= b for a, b in zip(bounds, bounds[1:], strict=False)):
             raise ConfigError(f"parallelism.pp_split_points = {split_points}: expected increasing layers "
                               f"between 1 and {n_layers - 1}")
-        return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
-    if n_layers < n_stages:
+    elif n_layers < n_stages:
         raise ConfigError(f"model has {n_layers} layers, fewer than the {n_stages} pipeline stages asked for "
                           "(parallelism.pp x pp_virtual_stages)")
-    base, extra = divmod(n_layers, n_stages)
-    sizes = [base + (1 if 0 < i <= extra else 0) for i in range(n_stages)]
-    starts = [sum(sizes[:i]) for i in range(n_stages)]
-    return [range(s, s + n) for s, n in zip(starts, sizes, strict=True)]
+    else:  # stages 1..extra take one layer more than base
+        base, extra = divmod(n_layers, n_stages)
+        bounds = [i * base + min(max(i - 1, 0), extra) for i in range(n_stages + 1)]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
 def stage_ids(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
@@ -117,10 +116,8 @@ def build_schedule(stages: list[tuple[int, nn.Module]], n_stages: int, device: t
     if carry_mask:
         stages = [(sid, MaskCarrier(m, sid == n_stages - 1)) for sid, m in stages]
     pipe = [PipelineStage(m, sid, n_stages, device, group=group) for sid, m in stages]
-    cls = SCHEDULES[schedule]
     try:
-        if schedule in SINGLE_STAGE:
-            return cls(pipe[0], n_microbatches=microbatches, loss_fn=loss_fn)
-        return cls(pipe, n_microbatches=microbatches, loss_fn=loss_fn)
+        return SCHEDULES[schedule](pipe[0] if schedule in SINGLE_STAGE else pipe, n_microbatches=microbatches,
+                                   loss_fn=loss_fn)
     except (ValueError, AssertionError) as e:
         raise ConfigError(f"parallelism.pp_schedule = {schedule!r}: {e}") from None
