@@ -75,15 +75,6 @@ def width_args(args: ModelArgs, width: int) -> ModelArgs:
         mup_base_dim=args.mup_base_dim or args.dim)
 
 
-def _check_config(cfg: JobConfig) -> JobConfig:
-    """A copy of ``cfg`` that runs in one process, eagerly, with the logits out (see the module docstring)."""
-    cfg = copy.deepcopy(cfg)
-    cfg.parallelism = ParallelismSection(dp_shard=1)
-    cfg.training.compile = False
-    cfg.training.fused_linear_ce = False
-    return cfg
-
-
 def _rms(t: torch.Tensor) -> float:
     return t.detach().float().pow(2).mean().sqrt().item()
 
@@ -92,14 +83,12 @@ def _rms(t: torch.Tensor) -> float:
 def measure(model: nn.Module, inputs: torch.Tensor) -> dict[str, float]:
     """RMS of the embedding's, every block's and the logits' outputs for ``inputs`` (forward hooks)."""
     out: dict[str, float] = {}
+    names = {model.tok_embeddings: "embedding", **{block: f"layers.{i}" for i, block in model.layers.items()}}
 
-    def record(name: str):
-        def hook(module, args, output):
-            out[name] = _rms(output[0] if isinstance(output, tuple) else output)  # a KV-sharing block's (h, kv)
-        return hook
+    def hook(module, args, output):
+        out[names[module]] = _rms(output[0] if isinstance(output, tuple) else output)  # a KV-sharing block's (h, kv)
 
-    handles = [model.tok_embeddings.register_forward_hook(record("embedding"))]
-    handles += [block.register_forward_hook(record(f"layers.{i}")) for i, block in model.layers.items()]
+    handles = [module.register_forward_hook(hook) for module in names]
     was_training = model.training
     model.eval()
     try:
@@ -114,7 +103,10 @@ def measure(model: nn.Module, inputs: torch.Tensor) -> dict[str, float]:
 def run_coord_check(cfg: JobConfig, widths: list[int], steps: int) -> CoordCheck:
     """Train the config's model at each width for ``steps`` steps; the RMS after each (see the module
     docstring). UserError for a width the model cannot take."""
-    cfg = _check_config(cfg)
+    cfg = copy.deepcopy(cfg)  # one process, eagerly, with the logits out (see the module docstring)
+    cfg.parallelism = ParallelismSection(dp_shard=1)
+    cfg.training.compile = False
+    cfg.training.fused_linear_ce = False
     runtime = build_runtime(cfg)
     tokenizer = build_tokenizer(cfg.data)  # the cached tokenizer; nothing is written to the dump folder
     base = resolve_model_args(cfg, tokenizer.vocab_size)

@@ -18,10 +18,9 @@ def check_kv_share_split(n_layers: int, n_stages: int, split_points: list[str], 
     """Every pipeline stage must start a KV-sharing group: a consumer never sits in another stage than its
     producer. Every rank checks every stage, so all refuse together."""
     for stage in layer_ranges(n_layers, n_stages, split_points):
-        first = stage.start
-        if first % group:
+        if stage.start % group:
             raise ConfigError(f"model.kv_share = 'interleaved' (groups of {group}): a pipeline stage starts at "
-                              f"layer {first}, separating it from the layer that computes its K/V; choose "
+                              f"layer {stage.start}, separating it from the layer that computes its K/V; choose "
                               f"parallelism.pp_split_points at multiples of {group}")
 
 
@@ -58,10 +57,8 @@ class AttentionFeatures:
             # Recording the LSE metric sets an attribute in the forward; a compiled checkpointed block must
             # be told not to replay that during recomputation (which is also what eager checkpointing does
             # harmlessly: it records the same value again).
-            import torch._dynamo.config as dynamo_config
-
-            if hasattr(dynamo_config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
-                dynamo_config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+            if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+                torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
         self.record_lse(False)
 
     def model_kwargs(self, batch, device: torch.device) -> dict:
@@ -87,10 +84,7 @@ class AttentionFeatures:
 
     def metrics(self) -> dict[str, float]:
         """``attn/lse/<layer>``: the mean log-sum-exp of the attention logits, from the last micro-batch."""
-        out = {}
-        for name, m in self.attentions.items():
-            if m.lse_mean is not None:
-                layer = name.split("layers.")[-1].split(".")[0]
-                out[f"attn/lse/{layer}"] = float(m.lse_mean)
+        out = {f"attn/lse/{name.split('layers.')[-1].split('.')[0]}": float(m.lse_mean)
+               for name, m in self.attentions.items() if m.lse_mean is not None}
         self.record_lse(False)
         return out

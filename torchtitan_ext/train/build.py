@@ -10,6 +10,7 @@ import dataclasses
 import datetime
 import logging
 import os
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -48,16 +49,14 @@ from torchtitan_ext.train.spike_guard import SpikeGuard
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass
-class Runtime:
+class Runtime(NamedTuple):
     """Where this process runs: its device, its rank and the mesh of parallel dimensions."""
     device: torch.device
     rank: int
     dims: ParallelDims
 
 
-@dataclasses.dataclass
-class BatchPlan:
+class BatchPlan(NamedTuple):
     """How one optimizer step's global batch splits into micro-batches (changing under batch warmup)."""
     accum_steps: int
     global_batch_size: int
@@ -81,8 +80,7 @@ class BuiltModel:
     loss_parallel: bool  # TP without PP: the loss runs on vocabulary-sharded logits
 
 
-@dataclasses.dataclass
-class TrainingParts:
+class TrainingParts(NamedTuple):
     optimizers: Optimizers
     spike_guard: SpikeGuard
     nonfinite: NonFiniteGuard
@@ -91,8 +89,7 @@ class TrainingParts:
     comm_stats: CommStats | None
 
 
-@dataclasses.dataclass
-class BuiltRun:
+class BuiltRun(NamedTuple):
     cfg: JobConfig
     runtime: Runtime
     batches: BatchPlan
@@ -156,9 +153,7 @@ def plan_batches(cfg: JobConfig, dims: ParallelDims) -> BatchPlan:
 def build_data(cfg: JobConfig, dims: ParallelDims) -> tuple[object, ModelArgs, DataBundle]:
     """(tokenizer, model arguments, loaders): the vocabulary sizes the model, whose vocabulary bounds the
     token ids the loaders accept; every shard is scanned now, so a bad one stops the job before any work.
-    The tokenizer travels with the run: rank 0 saves it into ``<dump_folder>/tokenizer/`` (with its vocabulary
-    size, special ids and fingerprint) when absent (or stale, on a start from step 0); a resume whose tokenizer
-    differs from it stops here."""
+    Rank 0 keeps the run's tokenizer in ``<dump_folder>/tokenizer/``; a resume whose tokenizer differs stops here."""
     tokenizer = build_tokenizer(cfg.data, cfg.job.dump_folder, save=not dist.is_initialized() or dist.get_rank() == 0,
                                 resume=would_resume(cfg))
     if hasattr(tokenizer, "describe"):
@@ -249,16 +244,12 @@ def build_training(cfg: JobConfig, runtime: Runtime, model: BuiltModel) -> Train
         ema=ema, compression=compression, comm_stats=comm_stats if compression is not None else None)
 
 
-def uses_autocast(cfg: JobConfig, runtime: Runtime) -> bool:
-    """bf16 autocast when FSDP does not cast the parameters itself (one GPU, DDP)."""
-    return runtime.device.type == "cuda" and not runtime.dims.fsdp_enabled and \
-        cfg.training.mixed_precision_param == "bfloat16"
-
-
 def forward_context(cfg: JobConfig, runtime: Runtime) -> contextlib.ExitStack:
-    """What every forward pass runs under: bf16 autocast where needed, and the chosen SDPA backend."""
+    """What every forward pass runs under: bf16 autocast where FSDP does not cast the parameters itself (one
+    GPU, DDP), and the chosen SDPA backend."""
     stack = contextlib.ExitStack()
-    if uses_autocast(cfg, runtime):
+    if runtime.device.type == "cuda" and not runtime.dims.fsdp_enabled and \
+            cfg.training.mixed_precision_param == "bfloat16":
         stack.enter_context(torch.autocast("cuda", dtype=torch.bfloat16))
     stack.enter_context(attention_backend(cfg.training.attention_backend, runtime.device))
     return stack

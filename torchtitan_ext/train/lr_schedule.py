@@ -17,13 +17,13 @@ def lr_multiplier(step: int, total_steps: int, cfg: LRSchedulerSection) -> float
     if cfg.name == "constant":
         return 1.0
     if cfg.name == "cosine":
-        progress = (step - cfg.warmup_steps) / max(total_steps - cfg.warmup_steps, 1)
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-    decay_steps = int(round(cfg.decay_fraction * total_steps))
-    decay_start = total_steps - decay_steps
-    if step <= decay_start or decay_steps == 0:
-        return 1.0
-    progress = min((step - decay_start) / decay_steps, 1.0)
-    if cfg.decay_shape == "linear":
-        return 1.0 - (1 - floor) * progress
+        progress = min((step - cfg.warmup_steps) / max(total_steps - cfg.warmup_steps, 1), 1.0)
+    else:
+        decay_steps = int(round(cfg.decay_fraction * total_steps))
+        decay_start = total_steps - decay_steps
+        if step <= decay_start or decay_steps == 0:
+            return 1.0
+        progress = min((step - decay_start) / decay_steps, 1.0)
+        if cfg.decay_shape == "linear":
+            return 1.0 - (1 - floor) * progress
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))

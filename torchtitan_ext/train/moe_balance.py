@@ -7,11 +7,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from torchtitan_ext.models.mode import MoDE
+from torchtitan_ext.parallel.compile import clean_fqn
 
 
 def mode_layers(parts: list[nn.Module]) -> list[tuple[str, MoDE]]:
-    from torchtitan_ext.parallel.compile import clean_fqn
-
     return [(clean_fqn(name).removesuffix(".feed_forward"), m) for part in parts
             for name, m in part.named_modules() if isinstance(m, MoDE)]
 

@@ -12,11 +12,8 @@ FSDP2 makes on one GPU) skip the exchange and are orthogonalised in batches of e
 matmul chain per shape instead of a chain per matrix (on one H200 the per-matrix exchange made a 200M model's
 step 1.6x slower than AdamW's; benchmarks/RESULTS.md, time to loss).
 
-Under muP the scale above is kept and the width correction rides on the group's lr (``optim.lr_scale``):
-an orthogonalised update has all singular values equal, so this step's spectral norm is
-``lr * 0.2 * sqrt(max(rows, cols))``, which grows like sqrt(width) for the blocks' matrices (both dims grow
-with width), while muP's condition keeps it like sqrt(rows / cols), constant: the lr is multiplied by
-1 / sqrt(width_mult), and the update equals Muon's at the base width.
+Under muP the scale above is kept and the width correction, 1 / sqrt(width_mult), rides on the group's lr
+(``optim.lr_scale`` says why), so the update equals Muon's at the base width.
 """
 
 from __future__ import annotations

@@ -51,8 +51,7 @@ def lr_scale(args: ModelArgs | None, name: str, p: torch.Tensor, muon: bool) -> 
     return args.width_mult ** -0.5 if muon else 1.0 / args.width_mult
 
 
-def param_groups(model: nn.Module, weight_decay: float, exclude=lambda name, p: False,
-                 scale=lambda name, p: 1.0) -> list[dict]:
+def param_groups(model: nn.Module, weight_decay: float, exclude, scale) -> list[dict]:
     """Decay matrices only: norms, biases and embeddings are left undecayed. Parameters whose lr multiplier
     (``scale``) is not 1 form groups of their own after the two of the standard parametrization."""
     groups: dict[tuple[bool, float], list[torch.Tensor]] = {(True, 1.0): [], (False, 1.0): []}
@@ -67,14 +66,12 @@ def param_groups(model: nn.Module, weight_decay: float, exclude=lambda name, p: 
 
 def build_part_optimizers(model: nn.Module, cfg: OptimizerSection, args: ModelArgs | None = None
                           ) -> list[torch.optim.Optimizer]:
-    """AdamW alone, or Muon on the blocks' matrices plus AdamW on the rest (same learning rate; under muP
-    grouped by their multipliers, ``lr_scale``)."""
-    fused = cfg.fused  # CUDA and CPU both have the fused kernel
+    """AdamW alone, or Muon on the blocks' matrices plus AdamW on the rest, at the same learning rate."""
     exclude = is_muon_param if cfg.name == "muon" else (lambda name, p: False)
     groups = param_groups(model, cfg.weight_decay, exclude, lambda name, p: lr_scale(args, name, p, muon=False))
     opts: list[torch.optim.Optimizer] = [
-        torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused,
-                          foreach=None if fused else True)]
+        torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=cfg.fused,
+                          foreach=None if cfg.fused else True)]  # CUDA and CPU both have the fused kernel
     if cfg.name == "muon":
         matrices = [p for n, p in model.named_parameters() if p.requires_grad and is_muon_param(n, p)]
         opts.append(Muon(matrices, lr=cfg.lr, momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov,
@@ -91,7 +88,6 @@ class Optimizers:
         self.parts = parts
         self.per_part = [build_part_optimizers(m, cfg, args) for m in parts]
         self.optimizers = [opt for opts in self.per_part for opt in opts]
-        self.base_lr = cfg.lr
         muon = cfg.name == "muon"
         self._lr_scales = {id(p): lr_scale(args, name, p, muon and is_muon_param(name, p))
                            for m in parts for name, p in m.named_parameters()}  # by id: groups share parameters

@@ -4,11 +4,11 @@ The run is built by ``train/build.py``; the loop reads like the list in the READ
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -59,8 +59,7 @@ class TrainingDiverged(RunStopped):
     """The loss became NaN or Inf; the run stops without saving."""
 
 
-@dataclasses.dataclass
-class QueuedStep:
+class QueuedStep(NamedTuple):
     """A step handed to the device: its scalars stay there until ``Trainer.settle`` reads them."""
     step: int
     loss: torch.Tensor
@@ -75,25 +74,20 @@ class Trainer:
     def __init__(self, cfg: JobConfig, run: BuiltRun | None = None):
         run = run if run is not None else build_run(cfg)
         self.cfg, self.run = cfg, run
-        self.device, self.rank, self.dims = run.runtime.device, run.runtime.rank, run.runtime.dims
+        self.device, self.rank, self.dims = run.runtime
         self.batches = run.batches
         self.accum_steps, self.global_batch_size = run.batches.accum_steps, run.batches.global_batch_size
         self.tokenizer, self.loader, self.val_loader = run.tokenizer, run.data.loader, run.data.val_loader
         self.model_args, self.model_parts = run.model.args, run.model.parts
         self.loss_parallel = run.model.loss_parallel
-        tr = run.training
-        self.optimizers, self.spike_guard, self.nonfinite = tr.optimizers, tr.spike_guard, tr.nonfinite
-        self.ema = tr.ema
-        self.compression, self.comm_stats = tr.compression, tr.comm_stats
+        self.optimizers, self.spike_guard, self.nonfinite, self.ema, self.compression, self.comm_stats = run.training
         self.profiling = Profiling(cfg.profiling, cfg.job.dump_folder, self.rank, self.device, log.info)
         self.token_bytes = token_bytes(self.tokenizer, self.model_args.vocab_size)  # for val_bpb
-        if self.token_bytes is not None:
-            self.token_bytes = self.token_bytes.to(self.device)
+        self.token_bytes = self.token_bytes.to(self.device) if self.token_bytes is not None else None
         self.has_moe = self.model_args.n_experts > 0
         # Ranks that route different tokens through the MoDE layers: data-parallel ranks, and under TP each
         # TP rank's slice of the sequence; expert loads are summed over them.
-        moe_mesh = "dp_tp" if self.dims.tp > 1 else "dp"
-        self.moe_group = self.dims.submesh(moe_mesh).get_group() \
+        self.moe_group = self.dims.submesh("dp_tp" if self.dims.tp > 1 else "dp").get_group() \
             if self.has_moe and self.dims.dp * self.dims.tp > 1 else None
         self.loss_fn = self._build_loss()
         self.pp_microbatches = pp_microbatches(cfg, self.dims) if self.dims.pp > 1 else 1
@@ -107,9 +101,8 @@ class Trainer:
         self.checkpointer = self._build_checkpointer()
         self._resume()
         counts, a = run.model.counts, self.model_args
-        self.flops_per_token = flops_per_token(
-            counts["active"] - counts["embedding"] + (counts["embedding"] if a.tie_embeddings else 0),
-            a.n_layers, a.n_heads, a.head_dim or a.dim // a.n_heads, cfg.training.seq_len)
+        active = counts["active"] - (0 if a.tie_embeddings else counts["embedding"])  # the lookup is no matmul
+        self.flops_per_token = flops_per_token(active, a.n_layers, a.n_heads, a.hdim, cfg.training.seq_len)
         self.peak_flops = peak_flops()
 
     def _build_loss(self):
@@ -144,11 +137,9 @@ class Trainer:
                                  log=log.info)
 
     def _resume(self) -> None:
-        """The latest complete checkpoint (its parameters checked against the model's), else exported
-        weights for a fresh job; then the metrics files (their records past the resumed step dropped), the
-        run's identity (run.json: a change of seq_len, batch or data mixture is one line each) and the
-        resolved config (earlier ones kept as config-<time>.toml). A signal before this point, or a resumed
-        step with nothing left to train, ends the job here with nothing written."""
+        """The latest complete checkpoint, else exported weights for a fresh job; then the metrics files, the
+        run's identity (run.json) and the resolved config. A signal before this point, or a resumed step with
+        nothing left to train, ends the job here with nothing written."""
         cfg, dump = self.cfg, Path(self.cfg.job.dump_folder)
         ident = identity(cfg, self.model_args, self.global_batch_size)
         saved = read_identity(dump) if would_resume(cfg) else None
@@ -206,10 +197,6 @@ class Trainer:
             log.info(f"starting from step 0: moved the previous run's files ({', '.join(names)}) aside to {dest}")
         if dist.is_initialized():
             dist.barrier()
-
-    def tokens_through(self, step: int) -> int:
-        """Training tokens consumed by steps 1..step (all ranks), batch warmup included."""
-        return self.batches.tokens_through(step)
 
     # Stateful: the trainer's own progress, saved beside the model.
     def state_dict(self) -> dict:
@@ -297,9 +284,8 @@ class Trainer:
             raise TrainingDiverged(
                 f"step {queued.step}: loss is {loss}; stopping without saving (the latest checkpoint in "
                 f"{self.checkpointer.folder} is intact). Lower optimizer.lr or check the data.")
-        t = self.cfg.training
         if self.spike_guard.observe(queued.step, loss):
-            log.info(f"step {queued.step}: loss spike {loss:.4f}; LR x {t.spike_lr_scale} for steps "
+            log.info(f"step {queued.step}: loss spike {loss:.4f}; LR x {self.cfg.training.spike_lr_scale} for steps "
                      f"{self.spike_guard.cut_from}-{self.spike_guard.cut_to}")
         return loss, norm, queued.lr
 
@@ -359,17 +345,13 @@ class Trainer:
             return stage_values
         stages: list[dict[str, float] | None] = [None] * self.dims.pp
         dist.all_gather_object(stages, stage_values, group=self.dims.submesh("pp").get_group())
-        merged: dict[str, float] = {}
-        means: dict[str, list[float]] = {}
-        for stage in stages:
-            for key, value in stage.items():
-                if key.startswith("comm/"):
-                    merged[key] = merged.get(key, 0.0) + value
-                elif key in ("moe/aux_loss", "moe/router_z_loss"):
-                    means.setdefault(key, []).append(value)
-                else:
-                    merged[key] = value
-        merged.update({key: sum(v) / len(v) for key, v in means.items()})
+        merged = {key: value for stage in stages for key, value in stage.items()}
+        for key in merged:
+            values = [stage[key] for stage in stages if key in stage]
+            if key.startswith("comm/"):
+                merged[key] = sum(values)
+            elif key in ("moe/aux_loss", "moe/router_z_loss"):
+                merged[key] = sum(values) / len(values)
         return merged
 
     @torch.no_grad()
@@ -457,10 +439,11 @@ class Trainer:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize()
                 elapsed = time.perf_counter() - window_start
-                tps = (self.tokens_through(self.step) - self.tokens_through(self.step - window_steps)) / elapsed
+                tokens = self.batches.tokens_through(self.step)
+                tps = (tokens - self.batches.tokens_through(self.step - window_steps)) / elapsed
                 values = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_sec": tps,
                           "skipped_steps": self.nonfinite.total,
-                          "tokens": self.tokens_through(self.step), "micro_batches": self.accum_steps,
+                          "tokens": tokens, "micro_batches": self.accum_steps,
                           "tokens_per_sec_per_device": tps / self.dims.world_size,
                           "lr_spike_factor": self.spike_guard.lr_factor(self.step)}
                 if self.peak_flops:
