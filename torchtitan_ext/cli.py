@@ -125,10 +125,6 @@ def job_argv(ns: argparse.Namespace, rest: list[str]) -> list[str]:
     return (["--config", ns.config] if ns.config is not None else []) + rest
 
 
-def error_line(message: object) -> None:
-    print(f"error: {message}", file=sys.stderr, flush=True)
-
-
 def user_error(e: ValueError) -> UserError:
     """A ValueError of the input (an undecodable file, a bad number) as the user mistake it is."""
     return e if isinstance(e, UserError) else UserError(str(e))
@@ -144,12 +140,9 @@ def run_tool(main: Callable[[list[str]], int | None], argv: list[str] | None = N
         setup_logging()
     try:
         return main(argv) or EXIT_OK
-    except (UserError, FileNotFoundError, NotADirectoryError, argparse.ArgumentError) as e:
-        error_line(e)
-        return EXIT_USER
-    except RunStopped as e:
-        error_line(e)
-        return EXIT_STOPPED
+    except (UserError, FileNotFoundError, NotADirectoryError, argparse.ArgumentError, RunStopped) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_STOPPED if isinstance(e, RunStopped) else EXIT_USER
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

@@ -123,17 +123,21 @@ def drop_after(path: Path, step: int) -> None:
     """Keep only the records of steps <= ``step`` (and no torn last line) in the JSONL file at ``path``."""
     if not path.is_file():
         return
-    kept = []
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line, record in step_records(path) if record["step"] <= step))
+    tmp.replace(path)
+
+
+def step_records(path: Path) -> Iterator[tuple[str, dict]]:
+    """(line, record) of each JSON object with an int ``step`` in the JSONL file at ``path``, skipping the
+    others and a torn last line of a killed run."""
     for line in path.read_text().splitlines():
         try:
             record = json.loads(line)
         except ValueError:
             continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
-            kept.append(line + "\n")
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(kept))
-    tmp.replace(path)
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            yield line, record
 
 
 class _Tee(io.TextIOBase):

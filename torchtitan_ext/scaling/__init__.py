@@ -12,7 +12,6 @@ from __future__ import annotations
 import csv
 import io
 import itertools
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from torchtitan_ext.errors import UserError
+from torchtitan_ext.metrics.logger import step_records
 from torchtitan_ext.models.args import ModelArgs
 from torchtitan_ext.models.param_count import count_params
 
@@ -232,13 +232,7 @@ def final_validation(folder: Path) -> tuple[int, float, int | None]:
     if not path.is_file():
         raise ScalingError(f"{folder}: no metrics.jsonl (expected a training run's dump folder)")
     last, tokens = None, {}
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # a torn last line of a killed run
-        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-            continue
+    for _, record in step_records(path):
         if "tokens" in record:
             tokens[record["step"]] = int(record["tokens"])
         if "val_loss" in record:

@@ -86,14 +86,12 @@ def plan_sweep(job_argv: Sequence[str], widths: Sequence[int], budgets: Sequence
          "-m", "torchtitan_ext.train"]
     runs = []
     for dim in widths:
-        model = width_overrides(args, dim)
-        sized = parse_args([*job_argv, *(f"--model.{k}={v}" for k, v in model.items())])
-        params = non_embedding_params(resolve_model_args(sized, vocab))
+        sized = [*job_argv, *(f"--model.{k}={v}" for k, v in width_overrides(args, dim).items())]
+        params = non_embedding_params(resolve_model_args(parse_args(sized), vocab))
         for tokens in budgets:
             steps = max(round(tokens / batch), 1)
             folder = Path(out) / f"w{dim}_t{tokens}"
-            command = [*launcher, *job_argv, *(f"--model.{k}={v}" for k, v in model.items()),
-                       f"--training.steps={steps}", f"--job.dump_folder={folder}"]
+            command = [*launcher, *sized, f"--training.steps={steps}", f"--job.dump_folder={folder}"]
             runs.append(PlannedRun(dim, tokens, steps, params, folder, command))
     return runs
 
