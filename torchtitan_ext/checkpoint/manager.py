@@ -150,14 +150,7 @@ def published_steps(folder: Path) -> list[int]:
 
 def complete_steps(folder: Path) -> list[int]:
     """Steps with a finished checkpoint in ``folder``, ascending."""
-    if not folder.is_dir():
-        return []
-    steps = []
-    for d in folder.iterdir():
-        m = _STEP_DIR.match(d.name)
-        if m and (d / ".metadata").is_file():
-            steps.append(int(m.group(1)))
-    return sorted(steps)
+    return [s for s in published_steps(folder) if (folder / f"step-{s}" / ".metadata").is_file()]
 
 
 class CheckpointManager:
@@ -262,9 +255,8 @@ class CheckpointManager:
 
     def _set_aside_newer(self, loaded: int) -> None:
         """Resuming an older step is a branch: checkpoints past it move to ``abandoned-<UTC time>/``."""
-        newer = sorted((d for d in self.folder.iterdir()
-                        if (m := _STEP_DIR.match(d.name.removesuffix(".tmp"))) and int(m.group(1)) > loaded),
-                       key=lambda d: int(_STEP_DIR.match(d.name.removesuffix(".tmp")).group(1)))
+        step = {d: int(m[1]) for d in self.folder.iterdir() if (m := _STEP_DIR.match(d.name.removesuffix(".tmp")))}
+        newer = sorted((d for d in step if step[d] > loaded), key=step.get)
         if not newer:
             return
         dest = unique(self.folder / f"abandoned-{utc_stamp()}")

@@ -23,7 +23,6 @@ import errno
 import fcntl
 import json
 import os
-import shutil
 import socket
 import time
 from collections.abc import Callable
@@ -176,11 +175,6 @@ class RunLock:
         os.close(self.fd)  # closing the last descriptor releases the flock
         self.fd = None
         _HELD.pop(str(self.folder), None)
-
-
-def release_all() -> None:
-    for lock in list(_HELD.values()):
-        lock.release()
 
 
 # --- one run per folder ---------------------------------------------------------------------------------
@@ -341,7 +335,3 @@ def keep_config(dump: Path, text: str) -> None:
     tmp = current.with_name("config.toml.tmp")
     tmp.write_text(text)
     os.replace(tmp, current)
-
-
-def remove_tree(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)

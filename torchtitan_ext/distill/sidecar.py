@@ -50,7 +50,6 @@ class Sidecar:
             raise SidecarError(f"{path}: not a teacher sidecar (bad magic number)")
         if header[1] != VERSION:
             raise SidecarError(f"{path}: sidecar version {header[1]}, expected {VERSION}")
-        self.header = header
         self.k, self.vocab, self.n_tokens, self.window = (int(x) for x in header[2:6])
         self.windows_done, self.checksum = int(header[6]), int(header[7])
         expect = HEADER_INTS * 4 + self.n_tokens * self.k * ROW_BYTES_PER_K
@@ -86,9 +85,8 @@ class Sidecar:
         return side
 
     def set_windows_done(self, n: int) -> None:
-        self.tokens.flush()
-        self.log_probs.flush()
-        self.thresholds.flush()
+        for array in (self.tokens, self.log_probs, self.thresholds):
+            array.flush()
         with open(self.path, "r+b") as f:
             f.seek(6 * 4)
             f.write(np.int32(n).tobytes())
@@ -118,6 +116,10 @@ class SidecarSet:
         self.k = self.sidecars[0].k if self.sidecars else 0
         self.vocab = self.sidecars[0].vocab if self.sidecars else 0
 
+    def _corrupted(self, tok: np.ndarray, lp: np.ndarray, thr: np.ndarray) -> bool:
+        return bool(tok.min() < 0 or tok.max() >= self.vocab or not np.isfinite(thr).all() or (lp > 1e-4).any()
+                    or not np.isfinite(lp).all())
+
     def read(self, windows: list[tuple[int, int]], seq_len: int) -> tuple[torch.Tensor, ...]:
         """(tokens int64, log-probs, thresholds), each (batch, seq_len, k), for windows given as
         (shard, first token): rows first + 1 .. first + seq_len, the labels' positions."""
@@ -125,11 +127,9 @@ class SidecarSet:
         tok = np.stack([side.tokens[r] for side, r in rows])
         lp = np.stack([side.log_probs[r] for side, r in rows])
         thr = np.stack([side.thresholds[r] for side, r in rows])
-        if tok.min() < 0 or tok.max() >= self.vocab or not np.isfinite(thr).all() or (lp > 1e-4).any() \
-                or not np.isfinite(lp).all():
-            bad = next(side.path for (side, r) in rows if side.tokens[r].min() < 0 or side.tokens[r].max() >=
-                       self.vocab or not np.isfinite(side.thresholds[r]).all() or
-                       not np.isfinite(side.log_probs[r]).all() or (side.log_probs[r] > 1e-4).any())
+        if self._corrupted(tok, lp, thr):
+            bad = next(side.path for side, r in rows
+                       if self._corrupted(side.tokens[r], side.log_probs[r], side.thresholds[r]))
             raise SidecarError(f"{bad}: corrupted rows (token ids outside [0, {self.vocab}), positive or "
                                f"non-finite log-probabilities or thresholds)")
         return torch.from_numpy(tok.astype(np.int64)), torch.from_numpy(lp), torch.from_numpy(thr)

@@ -46,11 +46,9 @@ class Distillation:
 
     def __init__(self, cfg: JobConfig, loader, vocab_size: int, micro_batches: int = 1):
         """``loader``: the training loader built with ``sidecars=sidecar_factory(cfg)``; ``micro_batches``: soft
-        losses computed per ``set_batch`` (the pipeline's micro-batches, else 1)."""
+        losses computed per ``set_batch`` (the pipeline's micro-batches, else 1); ``sidecar_factory`` has already
+        refused ``training.fused_linear_ce``."""
         d = cfg.distill
-        if cfg.training.fused_linear_ce:
-            raise ConfigError("distill.path: not supported with training.fused_linear_ce (the soft loss needs the "
-                              "logits, which the fused head never materialises)")
         side = getattr(loader, "sidecars", None)
         if side is None:
             raise ConfigError("distill.path: needs a plain shard stream (no data.domains, data.packing = 'concat'): "
