@@ -10,6 +10,9 @@
 #   env: VARIANTS ("bf16 tensorwise rowwise blockwise") LOSS_VARIANTS ("bf16 blockwise": phase 2's runs)
 #        SEEDS ("0": phase 2's seeds) EVAL_STEPS (16) LAYERS (4) SEQ (4096) BATCH (2) LOSS_STEPS (300)
 #        BUDGET_S (500: phase 2 runs only if its predicted time fits what is left) PYTHON (python3)
+#        VOCAB (the flavor's 128256: the model's vocabulary, e.g. 128512 = 251 x 512 so that a blockwise
+#        output head can convert); a variant RECIPE_head (e.g. blockwise_head) runs the output head in
+#        float8 too (float8.filter_fqns = [])
 #   --smoke: the debug flavor on CPU in a minute, to check the script; the float8 runs must then be
 #            refused with the one-line error (no FP8 on CPU), which the table shows.
 # torchao comes from the wheel carried in .whl/ (the GPU machine has no package index).
@@ -37,25 +40,26 @@ if (( SMOKE )); then
     STEPS1=6; LOSS_STEPS=${LOSS_STEPS:-12}; BUDGET_S=${BUDGET_S:-600}
 else
     SHAPE=(--model.n_layers "${LAYERS:-4}" --training.seq_len "${SEQ:-4096}"
-           --training.local_batch_size "${BATCH:-2}")
+           --training.local_batch_size "${BATCH:-2}" ${VOCAB:+--model.vocab_size "$VOCAB"})
     STEPS1=30; LOSS_STEPS=${LOSS_STEPS:-300}; BUDGET_S=${BUDGET_S:-500}
 fi
 read -ra VARIANTS <<< "${VARIANTS:-bf16 tensorwise rowwise blockwise}"
 read -ra LOSS_VARIANTS <<< "${LOSS_VARIANTS:-bf16 blockwise}"
 read -ra SEEDS <<< "${SEEDS:-0}"
-flags() {  # the float8 overrides of a variant
+flags() {  # the float8 overrides of a variant; RECIPE_head: the output head in float8 too
     case $1 in
         bf16) echo "--float8.enabled false" ;;
+        *_head) echo "--float8.enabled true --float8.recipe ${1%_head} --float8.filter_fqns []" ;;
         *) echo "--float8.enabled true --float8.recipe $1" ;;
     esac
 }
 run() {  # run NAME STEPS VARIANT [OVERRIDES...]: one trainer job; its wall time goes to NAME.seconds
-    local name=$1 steps=$2 variant=$3 t0=$SECONDS
+    local name=$1 steps=$2 variant=$3 t0=$SECONDS f
     shift 3
-    # shellcheck disable=SC2046
+    read -ra f <<< "$(flags "$variant")"  # not globbed: "[]" is a value, not a pattern
     "$PY" -m torchtitan_ext.train --config train_configs/llama3_8b_float8.toml \
         --job.dump_folder "$OUT/$name" "${SHAPE[@]}" --training.steps "$steps" \
-        --lr_scheduler.warmup_steps $(( steps / 10 )) $(flags "$variant") "$@" > "$OUT/$name.log" 2>&1 \
+        --lr_scheduler.warmup_steps $(( steps / 10 )) "${f[@]}" "$@" > "$OUT/$name.log" 2>&1 \
         || { echo "run $name failed:"; grep -v "Failed to load" "$OUT/$name.log" | tail -n 5; }
     echo $(( SECONDS - t0 )) > "$OUT/$name.seconds"
 }
