@@ -15,6 +15,8 @@ group, so no rank ever sees the whole vocabulary's logits.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -40,16 +42,10 @@ def _local_chunk(raw: torch.Tensor, labels: torch.Tensor, z_loss: float,
     return loss, grad.to(raw.dtype)
 
 
-_COMPILED: list = []
-
-
-def _local_chunk_fn(cuda: bool):
-    """Compiled on GPU (the elementwise passes over a chunk's logits fuse); eager on CPU."""
-    if not cuda:
-        return _local_chunk
-    if not _COMPILED:
-        _COMPILED.append(torch.compile(_local_chunk, dynamic=False))
-    return _COMPILED[0]
+@functools.cache
+def _compiled_local_chunk():
+    """``_local_chunk`` compiled, for GPU (the elementwise passes over a chunk's logits fuse); CPU runs it eagerly."""
+    return torch.compile(_local_chunk, dynamic=False)
 
 
 def _chunk_grads(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, z_loss: float, softcap: float,
@@ -63,29 +59,27 @@ def _chunk_grads(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, z_
     for start in range(0, n, chunk):
         hc, yc = h[start:start + chunk], labels[start:start + chunk]
         if group is None:
-            loss_sum, grad = _local_chunk_fn(h.is_cuda)(hc @ weight.t(), yc, z_loss, softcap)
+            local_chunk = _compiled_local_chunk() if h.is_cuda else _local_chunk
+            loss_sum, grad = local_chunk(hc @ weight.t(), yc, z_loss, softcap)
             total += loss_sum
             dh[start:start + chunk] = grad @ weight
             dw += grad.t() @ hc
             continue
-        raw = (hc @ weight.t()).float()
+        logits = (hc @ weight.t()).float()
         if softcap > 0:
-            t = torch.tanh(raw / softcap)
+            t = torch.tanh(logits / softcap)
             logits = softcap * t
-        else:
-            logits = raw
         local_max = logits.max(dim=-1).values
-        if group is not None:  # a max over the whole vocabulary keeps exp() in range on every rank
-            dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
+        # a max over the whole vocabulary keeps exp() in range on every rank
+        dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
         exp = torch.exp(logits - local_max[:, None])
         sumexp = exp.sum(-1)
         valid = yc != IGNORE_INDEX
         local_y = yc - vocab_start
         mine = valid & (local_y >= 0) & (local_y < v_local)
         target = torch.where(mine, logits.gather(1, local_y.clamp(0, v_local - 1)[:, None]).squeeze(1), 0.0)
-        if group is not None:
-            dist.all_reduce(sumexp, group=group)
-            dist.all_reduce(target, group=group)
+        dist.all_reduce(sumexp, group=group)
+        dist.all_reduce(target, group=group)
         lse = local_max + sumexp.log()
         validf = valid.float()
         total += ((lse - target) * validf).sum()

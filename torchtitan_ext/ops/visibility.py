@@ -9,6 +9,7 @@ derive which (query, key) tiles are fully masked from it.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -36,11 +37,9 @@ def tree_visibility(parents: Sequence[int], lengths: Sequence[int]) -> tuple[tor
     n = len(parents)
     if len(lengths) != n:
         raise ValueError(f"tree_visibility: {n} parents but {len(lengths)} lengths")
-    offsets = [0]
-    for length in lengths:
-        if length < 0:
-            raise ValueError(f"tree_visibility: negative node length {length}")
-        offsets.append(offsets[-1] + length)
+    if (negative := next((length for length in lengths if length < 0), None)) is not None:
+        raise ValueError(f"tree_visibility: negative node length {negative}")
+    offsets = list(itertools.accumulate(lengths, initial=0))
     subtree_end = list(offsets[1:])  # token index after each node's subtree
     for i in range(n - 1, -1, -1):  # children come after parents: propagate ends upwards
         p = parents[i]

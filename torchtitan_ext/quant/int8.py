@@ -87,9 +87,8 @@ class Int8Linear(nn.Linear):
     """``nn.Linear`` (no bias) whose forward matmul runs in int8."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bias is not None:
-            return _Int8LinearFn.apply(x, self.weight) + self.bias
-        return _Int8LinearFn.apply(x, self.weight)
+        out = _Int8LinearFn.apply(x, self.weight)
+        return out if self.bias is None else out + self.bias
 
 
 def apply_int8_forward(model: nn.Module) -> int:

@@ -41,12 +41,12 @@ from torchtitan_ext.models.ffn import FeedForward
 QMAX = 127  # symmetric int8: [-127, 127]
 
 
-def fake_quant(x: torch.Tensor, limit: torch.Tensor | float, qmax: int = QMAX) -> torch.Tensor:
-    """Clamp to [-limit, limit], round to the grid of step ``limit / qmax``; straight-through gradient
+def fake_quant(x: torch.Tensor, limit: torch.Tensor | float) -> torch.Tensor:
+    """Clamp to [-limit, limit], round to the grid of step ``limit / QMAX``; straight-through gradient
     inside the range, zero outside."""
     limit = torch.as_tensor(limit, dtype=x.dtype, device=x.device).detach().clamp_min(1e-12)
     clamped = torch.maximum(torch.minimum(x, limit), -limit)
-    scale = limit / qmax
+    scale = limit / QMAX
     q = torch.round(clamped / scale) * scale
     return clamped + (q - clamped).detach()
 

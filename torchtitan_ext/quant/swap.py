@@ -16,25 +16,9 @@ from torchtitan_ext.quant.qat import apply_qat
 def convert_model(model: nn.Module, cfg: JobConfig) -> list[str]:
     """Apply every configured converter; returns log lines. Unsupported combinations raise ConfigError."""
     check_float8_experts(cfg.float8, model.args)
-    lines = apply_quant(model, cfg)
-    if cfg.float8.enabled:
-        convert_to_float8(model, cfg.float8, log=lines.append)
-    if cfg.float8.experts:
-        swapped = convert_experts_to_float8(model)
-        lines.append(f"float8 experts: {len(swapped)} MoDE expert groups run float8 rowwise grouped GEMMs (token "
-                     f"groups padded to 16 rows)" if swapped else
-                     "float8.experts = true: the model has no MoDE layers, nothing to convert")
-    return lines
-
-
-def apply_quant(model: nn.Module, cfg: JobConfig) -> list[str]:
-    """Swap the configured modules; returns log lines. Unsupported combinations raise ConfigError."""
-    q = cfg.quant
-    if q.qat == "none" and not q.int8_forward:
-        return []
-    if cfg.float8.enabled:
+    q, lines = cfg.quant, []
+    if (q.qat != "none" or q.int8_forward) and cfg.float8.enabled:
         raise ConfigError("quant.qat / quant.int8_forward and float8.enabled are exclusive: pick one")
-    lines = []
     if q.int8_forward:
         lines.append(f"quant: {apply_int8_forward(model)} block linears run their forward in int8")
     if q.qat != "none":
@@ -43,4 +27,11 @@ def apply_quant(model: nn.Module, cfg: JobConfig) -> list[str]:
         n = apply_qat(model, q.clamp, q.clamp_factor)
         how = f"dynamic, factor {q.clamp_factor}" if q.clamp == "dynamic" else "static [-4, 4]"
         lines.append(f"quant: QAT int8 on {n} FFNs (middle clamp {how})")
+    if cfg.float8.enabled:
+        convert_to_float8(model, cfg.float8, log=lines.append)
+    if cfg.float8.experts:
+        swapped = convert_experts_to_float8(model)
+        lines.append(f"float8 experts: {len(swapped)} MoDE expert groups run float8 rowwise grouped GEMMs (token "
+                     f"groups padded to 16 rows)" if swapped else
+                     "float8.experts = true: the model has no MoDE layers, nothing to convert")
     return lines
