@@ -1,6 +1,4 @@
-"""Validation loss of a model loaded on one process: each validation split's token stream (every domain's
-with ``[[data.domains]]``), its first ``eval.steps x local_batch_size`` windows' worth of tokens (all of it
-when ``eval.steps = 0``), scored with sliding windows when ``eval.stride > 0``."""
+"""Validation loss of a model loaded on one process, on the tokens ``python -m torchtitan_ext.eval`` describes."""
 
 from __future__ import annotations
 

@@ -21,8 +21,8 @@ value we do not compute (other RoPE types, biases, sliding windows, other activa
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from torchtitan_ext.config.loader import ConfigError
 from torchtitan_ext.models.args import ModelArgs
@@ -87,8 +87,7 @@ class ExportError(ConfigError):
     """A model or folder that cannot be converted; the message is one line naming the feature or file."""
 
 
-@dataclass(frozen=True)
-class HFLayout:
+class HFLayout(NamedTuple):
     """How one of our models is written as a transformers folder.
 
     ``names`` has every key of ``Decoder(args).state_dict()``; its value is

@@ -12,13 +12,13 @@ nothing behind.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -35,8 +35,7 @@ log = logging.getLogger(__name__)
 DEFAULT_SHARD_SIZE = 5 * 10**9
 
 
-@dataclasses.dataclass(frozen=True)
-class ExportResult:
+class ExportResult(NamedTuple):
     """What an export wrote."""
     folder: Path
     architecture: str
@@ -53,8 +52,7 @@ class ExportResult:
                 f"{_size_text(self.total_bytes)} {str(self.dtype).removeprefix('torch.')}")
 
 
-@dataclasses.dataclass(frozen=True)
-class _Entry:
+class _Entry(NamedTuple):
     """One tensor of the folder: transformers' ``name`` for our ``key`` (its expert ``expert`` when ours
     stacks the experts along dim 0), ``nbytes`` in the export dtype."""
     name: str

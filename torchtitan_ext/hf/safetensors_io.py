@@ -142,11 +142,8 @@ class SafetensorsReader:
         floating = {d for d in self.dtypes.values() if d.is_floating_point}
         return floating.pop() if len(floating) == 1 else torch.float32
 
-    def close(self) -> None:
-        self._handles.clear()
-
     def __enter__(self) -> SafetensorsReader:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
+        self._handles.clear()
