@@ -25,8 +25,8 @@ import functools
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -82,12 +82,6 @@ def _static_cache(model: Decoder, batch: int, max_len: int, pad: torch.Tensor) -
         torch._dynamo.mark_static_address(t)
     _static_caches[model] = cache
     return cache
-
-
-def check_supported(model: Decoder) -> None:
-    """Refuse, in one line, models the cached forward does not reproduce."""
-    if getattr(model, "return_hidden", False):
-        raise UserError("generation: the model returns hidden states (fused linear cross-entropy is on)")
 
 
 def _attention(attn, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
@@ -189,7 +183,8 @@ def generate(model: Decoder, prompts: list[list[int]], max_new_tokens: int, temp
                          f"max_seq_len {model.args.max_seq_len}")
     if compile and not use_cache:
         raise UserError("generation: compile needs the KV cache (use_cache=True)")
-    check_supported(model)
+    if getattr(model, "return_hidden", False):  # the cached forward computes logits
+        raise UserError("generation: the model returns hidden states (fused linear cross-entropy is on)")
     device = model.tok_embeddings.weight.device
     gen = torch.Generator(device=device).manual_seed(seed)
     batch = len(prompts)
@@ -220,8 +215,7 @@ def generate(model: Decoder, prompts: list[list[int]], max_new_tokens: int, temp
     return _until_stop(new[:, :i + 1].tolist(), stop_id)
 
 
-@dataclass
-class Completions:
+class Completions(NamedTuple):
     """What :func:`complete` returns; ``tokens_per_sec``: new tokens per second over the decoding."""
     checkpoint: Path
     texts: list[str]
