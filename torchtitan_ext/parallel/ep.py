@@ -48,10 +48,6 @@ class _AllToAll(torch.autograd.Function):
         return out, None, None, None
 
 
-def all_to_all_rows(x: torch.Tensor, recv: list[int], send: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-    return _AllToAll.apply(x, recv, send, group)
-
-
 def _dispatch(module: GroupedExperts, inputs: tuple, mesh: DeviceMesh) -> tuple[torch.Tensor, torch.Tensor]:
     x, counts = inputs
     ep, group = mesh.size(), mesh.get_group()
@@ -61,7 +57,7 @@ def _dispatch(module: GroupedExperts, inputs: tuple, mesh: DeviceMesh) -> tuple[
     received = received.view(ep, n_local)
     send_splits = counts.view(ep, n_local).sum(dim=1).tolist()
     recv_splits = received.sum(dim=1).tolist()
-    x = all_to_all_rows(x, recv_splits, send_splits, group)
+    x = _AllToAll.apply(x, recv_splits, send_splits, group)
     block = torch.repeat_interleave(torch.arange(ep * n_local, device=x.device), received.flatten())
     order = (block % n_local).argsort(stable=True)  # (source, expert) -> (expert, source)
     inv = inverse_permutation(order)
@@ -73,7 +69,7 @@ def _combine(module: GroupedExperts, out: torch.Tensor, mesh: DeviceMesh) -> tor
     order, inv, send_splits, recv_splits = module._ep_route
     module._ep_route = None
     unsorted = permute_rows(out, inv, order)
-    return all_to_all_rows(unsorted, send_splits, recv_splits, mesh.get_group())
+    return _AllToAll.apply(unsorted, send_splits, recv_splits, mesh.get_group())
 
 
 def check_ep(n_experts: int, ep: int, tp: int = 1) -> None:

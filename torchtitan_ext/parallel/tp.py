@@ -93,11 +93,10 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, loss_parallel: bool) -> None:
                 plan["feed_forward"] = PrepareModuleInputOutput(  # returns w2's partial sums: reduce-scatter
                     input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), output_layouts=(Partial(),),
                     desired_output_layouts=(Shard(1),), use_local_output=local)
-        if block.attention.q_norm is not None:
-            # Per-head norms see this rank's heads (dim 2); as replicated DTensors their gradients are summed.
-            plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-            if block.attention.k_norm is not None:
-                plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        for norm in ("q_norm", "k_norm"):
+            if getattr(block.attention, norm) is not None:
+                # Per-head norms see this rank's heads (dim 2); as replicated DTensors their gradients are summed.
+                plan[f"attention.{norm}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         parallelize_module(block, mesh, plan)
         if not local:
             _residual_stream_as_dtensor(block, mesh)
