@@ -142,6 +142,22 @@ def test_fresh_start_over_another_run_stops_unless_overwrite(base, tmp_path, cap
     assert json.loads((dump / "run.json").read_text())["starts"][0]["step"] == 0
 
 
+def test_stray_step_names_are_not_checkpoints(base, tmp_path, capsys):
+    """A ``step-foo/`` folder or a file named ``step-3`` is no checkpoint for the resume decision nor for the
+    load (one reading of the folder): the job is a fresh start over another run's metrics, so it stops."""
+    dump = _copy(base, tmp_path / "run")
+    for step in (2, 4):
+        shutil.rmtree(dump / "checkpoint" / f"step-{step}")
+    (dump / "checkpoint" / "step-foo").mkdir()
+    (dump / "checkpoint" / "step-3").write_text("not a checkpoint")
+    before = _checksums(dump)
+    code, out, errors = _run(capsys, dump, *CKPT, "--training.steps", "2")
+    assert code == 2 and len(errors) == 1, errors
+    assert f"job.dump_folder {dump} holds another run's files (metrics.jsonl (4 records)) and this job would " \
+           "start from step 0" in errors[0]
+    assert _checksums(dump) == before
+
+
 def test_resuming_an_older_step_is_a_branch(base, tmp_path, capsys):
     """load_step 2 of (2, 4): step-4 moves to checkpoint/abandoned-<time>/, intact; the new saves are the
     latest, and keep_latest_k = 2 keeps this run's two saves (4, 6) rather than counting the old step-4."""

@@ -30,7 +30,6 @@ the path and the error (``CheckpointWriteFailed``, exit 2).
 
 from __future__ import annotations
 
-import re
 import shutil
 import warnings
 from collections.abc import Callable
@@ -49,12 +48,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
-from torchtitan_ext.checkpoint.run_folder import os_error_text, unique, utc_stamp
+from torchtitan_ext.checkpoint.run_folder import STEP_DIR, os_error_text, published_steps, unique, utc_stamp
 from torchtitan_ext.config.job_config import CheckpointSection
 from torchtitan_ext.config.loader import ConfigError
 from torchtitan_ext.errors import UserError
 
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 RESIDUALS_DIR = "squinch_residuals"
 
 
@@ -139,13 +137,6 @@ def load_on_one_process(state: dict, checkpoint: Path, advice: str = "name an ea
 def unreadable_reason(e: BaseException) -> str:
     """One line on why ``dcp.load`` failed (its CheckpointException is a BaseException with a long text)."""
     return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
-
-
-def published_steps(folder: Path) -> list[int]:
-    """Steps with a ``step-N/`` folder (complete or damaged), ascending."""
-    if not folder.is_dir():
-        return []
-    return sorted(int(m.group(1)) for d in folder.iterdir() if (m := _STEP_DIR.match(d.name)))
 
 
 def complete_steps(folder: Path) -> list[int]:
@@ -255,7 +246,7 @@ class CheckpointManager:
 
     def _set_aside_newer(self, loaded: int) -> None:
         """Resuming an older step is a branch: checkpoints past it move to ``abandoned-<UTC time>/``."""
-        step = {d: int(m[1]) for d in self.folder.iterdir() if (m := _STEP_DIR.match(d.name.removesuffix(".tmp")))}
+        step = {d: int(m[1]) for d in self.folder.iterdir() if (m := STEP_DIR.match(d.name.removesuffix(".tmp")))}
         newer = sorted((d for d in step if step[d] > loaded), key=step.get)
         if not newer:
             return

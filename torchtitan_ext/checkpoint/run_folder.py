@@ -23,6 +23,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import socket
 import time
 from collections.abc import Callable
@@ -179,11 +180,15 @@ class RunLock:
 
 # --- one run per folder ---------------------------------------------------------------------------------
 
-def _published_steps(folder: Path) -> list[str]:
+STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def published_steps(folder: Path) -> list[int]:
+    """Steps with a ``step-N/`` folder (complete or damaged), ascending: the one reading of a checkpoint
+    folder that resuming, loading and the fresh-start check share."""
     if not folder.is_dir():
         return []
-    return sorted((d.name for d in folder.iterdir() if d.is_dir() and d.name.startswith("step-")
-                   and not d.name.endswith(".tmp")), key=lambda n: int(n[5:]) if n[5:].isdigit() else -1)
+    return sorted(int(m[1]) for d in folder.iterdir() if (m := STEP_DIR.match(d.name)) and d.is_dir())
 
 
 def _metrics_records(path: Path) -> int:
@@ -198,9 +203,9 @@ def previous_run_files(dump: Path, checkpoint_folder: str) -> list[str]:
     """What another run left in ``dump`` that a start from step 0 would overwrite: checkpoints, metrics."""
     found = []
     for sub in dict.fromkeys((checkpoint_folder, "checkpoint")):
-        steps = _published_steps(dump / sub)
+        steps = published_steps(dump / sub)
         if steps:
-            found.append(f"{sub}/{steps[-1]}" + (f" and {len(steps) - 1} more" if len(steps) > 1 else ""))
+            found.append(f"{sub}/step-{steps[-1]}" + (f" and {len(steps) - 1} more" if len(steps) > 1 else ""))
     records = _metrics_records(dump / "metrics.jsonl")
     if records:
         found.append(f"metrics.jsonl ({records} records)")
@@ -228,7 +233,7 @@ def move_aside(dump: Path, keep: tuple[Path, ...] = ()) -> tuple[Path, list[str]
 def would_resume(cfg: Any) -> bool:
     """The job will load a checkpoint (or stop trying): checkpointing on and a ``step-N`` folder present."""
     c = cfg.checkpoint
-    return bool(c.enabled and _published_steps(Path(cfg.job.dump_folder).expanduser() / c.folder))
+    return bool(c.enabled and published_steps(Path(cfg.job.dump_folder).expanduser() / c.folder))
 
 
 def check_fresh_start(cfg: Any, rank: int, log: Callable[[str], None]) -> None:
