@@ -206,9 +206,6 @@ class Trainer:
         self.step = state["step"]
         self.spike_guard.load_state_dict(state["spike_guard"], self.step)
 
-    def _autocast(self) -> contextlib.ExitStack:
-        return forward_context(self.cfg, self.run.runtime)
-
     def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Per micro-batch on the last stage; the schedule averages over its micro-batches. With distillation
         the training labels arrive packed with their soft targets (``Distillation.pack``)."""
@@ -235,7 +232,7 @@ class Trainer:
             sync = model.no_sync()
         elif hasattr(model, "set_requires_gradient_sync"):
             model.set_requires_gradient_sync(last_micro)
-        with sync, self._autocast(), self._loss_context():
+        with sync, forward_context(self.cfg, self.run.runtime), self._loss_context():
             logits = model(inputs, **(model_kwargs or {}))
             loss = self.loss_fn(logits, labels, self.cfg.training.z_loss)
             loss = loss + self.attn.output_term(logits)  # exactly 0 in value: the reported loss is unchanged
@@ -254,7 +251,7 @@ class Trainer:
         args = (inputs,) if self.pp_has_first else ()
         if model_kwargs and self.pp_has_first:
             args += pipeline_mask_args(inputs, model_kwargs)
-        with self._autocast():
+        with forward_context(self.cfg, self.run.runtime):
             run(*args, target=target, losses=losses)
         if losses and token_weighted:
             loss = token_weighted_mean([_plain(x.detach()) for x in losses], labels)
@@ -380,7 +377,7 @@ class Trainer:
                                                self.attn.model_kwargs(batch, self.device),
                                                token_weighted=self.cfg.eval.stride > 0) * self.accum_steps
                 else:
-                    with self._autocast(), self._loss_context():
+                    with forward_context(self.cfg, self.run.runtime), self._loss_context():
                         logits = self.model_parts[0](inputs, **self.attn.model_kwargs(batch, self.device))
                         loss = _plain(self.loss_fn(logits, labels, 0.0))
                 sums[row] += batch_sums(loss, labels, self.token_bytes)
