@@ -53,12 +53,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class CommStats:
-    """Gradient bytes handed to the collectives since the last :meth:`reset` (one rank's view).
-
-    ``bytes_sent`` counts the tensors actually passed to the collectives (Squinch bytes, plus gradients
-    below ``min_numel`` sent as they are); ``bytes_uncompressed`` counts what the same collectives would
-    have been given carrying the same elements in the gradient's dtype.
-    """
+    """Gradient bytes handed to the collectives since the last :meth:`reset` (one rank's view): ``bytes_sent``
+    as passed (Squinch bytes, and gradients below ``min_numel`` as they are), ``bytes_uncompressed`` the same
+    elements in the gradient's dtype."""
 
     bytes_sent: int = 0
     bytes_uncompressed: int = 0
@@ -69,8 +66,7 @@ class CommStats:
         self.bytes_uncompressed += numel * dtype.itemsize
 
     def reset(self) -> None:
-        self.bytes_sent = 0
-        self.bytes_uncompressed = 0
+        self.bytes_sent = self.bytes_uncompressed = 0
 
     def as_dict(self) -> dict[str, int]:
         return {"comm/bytes_sent": self.bytes_sent, "comm/bytes_uncompressed": self.bytes_uncompressed}
@@ -85,12 +81,6 @@ def _check_options(min_numel: int, stats: CommStats) -> None:
         raise ValueError(f"min_numel must be an int >= 0, got {min_numel!r}")
     if not isinstance(stats, CommStats):
         raise ValueError(f"stats must be a CommStats, got {type(stats).__name__}")
-
-
-def _all_gather_into(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
-    # ``all_gather_single`` replaces the deprecated ``all_gather_into_tensor`` from torch 2.13 on.
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, input, group=group)
 
 
 def _encode_rows(rows: torch.Tensor) -> torch.Tensor:
@@ -113,23 +103,17 @@ def _decode_rows(encoded: torch.Tensor, c: int) -> torch.Tensor:
     return decode(encoded.reshape(-1), world * padded_c).view(world, padded_c)[:, :c]
 
 
-def _residual(inputs: torch.Tensor, encoded: torch.Tensor) -> torch.Tensor:
-    """This step's compression error of ``inputs`` (world, c), with non-finite entries reset to zero."""
-    residual = inputs - _decode_rows(encoded, inputs.shape[1])
-    return torch.where(torch.isfinite(residual), residual, torch.zeros_like(residual))
-
-
 def _exchange_and_sum(rows: torch.Tensor, group: dist.ProcessGroup, dtype: torch.dtype, stats: CommStats,
                       residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Reduce-scatter of float32 ``rows`` (world, c) in Squinch bytes: row d goes to rank d.
-
-    Returns this rank's float32 sum of the rows it received, and the new error-feedback residual
-    (``None`` unless a previous ``residual`` was given).
-    """
+    """Reduce-scatter of float32 ``rows`` (world, c) in Squinch bytes, row d to rank d: this rank's float32 sum
+    of the rows it received, and the new error-feedback residual (``None`` unless ``residual`` was given)."""
     if residual is not None:
         rows = rows + residual
     encoded = _encode_rows(rows)
-    new_residual = _residual(rows, encoded) if residual is not None else None
+    new_residual = None
+    if residual is not None:  # this step's compression error, non-finite entries reset to zero
+        new_residual = rows - _decode_rows(encoded, rows.shape[1])
+        new_residual = torch.where(torch.isfinite(new_residual), new_residual, torch.zeros_like(new_residual))
     received = torch.empty_like(encoded)
     stats.add(encoded, rows.numel(), dtype)
     dist.all_to_all_single(received, encoded, group=group)
@@ -147,18 +131,18 @@ def _side_stream_context(device: torch.device, streams: dict[torch.device, torch
     return torch.cuda.stream(stream)
 
 
+@dataclass(eq=False)
 class _AllReduceState:
     """Options and per-parameter error-feedback residuals of one compressed all-reduce (a DDP model's hook, or
     HSDP's replicate all-reduce)."""
 
-    def __init__(self, group: dist.ProcessGroup, min_numel: int, error_feedback: bool, stats: CommStats):
-        self.group = group
-        self.min_numel = min_numel
-        self.error_feedback = error_feedback
-        self.stats = stats
-        # Keyed by parameter, not bucket: DDP rebuilds its buckets after the first iteration.
-        self.residuals: dict[torch.Tensor, torch.Tensor] = {}
-        self.streams: dict[torch.device, torch.cuda.Stream] = {}
+    group: dist.ProcessGroup
+    min_numel: int
+    error_feedback: bool
+    stats: CommStats
+    # Keyed by parameter, not bucket: DDP rebuilds its buckets after the first iteration.
+    residuals: dict[torch.Tensor, torch.Tensor] = field(default_factory=dict)
+    streams: dict[torch.device, torch.cuda.Stream] = field(default_factory=dict)
 
 
 def _bucket_slices(bucket: dist.GradBucket) -> list[tuple[torch.Tensor, int, int]]:
@@ -187,7 +171,9 @@ def _compressed_all_reduce(flat: torch.Tensor, state: _AllReduceState, dtype: to
     owned_encoded = _encode_rows((owned / world).view(1, chunk))  # average as DDP does
     gathered = torch.empty((world, owned_encoded.shape[1]), dtype=torch.uint8, device=flat.device)
     state.stats.add(owned_encoded, chunk, dtype)
-    _all_gather_into(gathered, owned_encoded, state.group)
+    # ``all_gather_single`` replaces the deprecated ``all_gather_into_tensor`` from torch 2.13 on.
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    all_gather(gathered, owned_encoded, group=state.group)
     result = _decode_rows(gathered, chunk).reshape(-1)[:n]
     return result, None if residual is None else residual.reshape(-1)[:n]
 
@@ -197,7 +183,7 @@ def _average(grads: list[tuple[torch.Tensor, torch.Tensor]], state: _AllReduceSt
     plain all-reduce, the others together in one Squinch all-reduce. Returns the averages in order;
     ``key`` (the parameter) names the gradient's error-feedback residual."""
     world = state.group.size()
-    out: list[torch.Tensor | None] = [None] * len(grads)
+    out: dict[int, torch.Tensor] = {}
     small = [i for i, (_, g) in enumerate(grads) if g.numel() < state.min_numel]
     large = [i for i, (_, g) in enumerate(grads) if g.numel() >= state.min_numel]
     if small:
@@ -205,8 +191,7 @@ def _average(grads: list[tuple[torch.Tensor, torch.Tensor]], state: _AllReduceSt
         state.stats.add(flat, flat.numel(), flat.dtype)
         dist.all_reduce(flat, group=state.group)
         flat.div_(world)
-        for i, part in zip(small, flat.split([grads[i][1].numel() for i in small]), strict=True):
-            out[i] = part
+        out.update(zip(small, flat.split([grads[i][1].numel() for i in small]), strict=True))
     if large:
         dtype = grads[large[0]][1].dtype
         flat = torch.cat([grads[i][1].reshape(-1) for i in large]).float()
@@ -216,12 +201,11 @@ def _average(grads: list[tuple[torch.Tensor, torch.Tensor]], state: _AllReduceSt
             residual = torch.cat([state.residuals.get(grads[i][0], flat.new_zeros(n))
                                   for i, n in zip(large, sizes, strict=True)])
         reduced, residual = _compressed_all_reduce(flat, state, dtype, residual)
-        for i, part in zip(large, reduced.split(sizes), strict=True):
-            out[i] = part
+        out.update(zip(large, reduced.split(sizes), strict=True))
         if residual is not None:
             for i, part in zip(large, residual.split(sizes), strict=True):
                 state.residuals[grads[i][0]] = part
-    return out
+    return [out[i] for i in range(len(grads))]
 
 
 def _squinch_ddp_hook(state: _AllReduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -262,11 +246,9 @@ class SquinchReplicateAllReduce:
 
 def register_squinch_ddp_hook(model: DistributedDataParallel, process_group: dist.ProcessGroup | None, *,
                               min_numel: int, error_feedback: bool, stats: CommStats) -> _AllReduceState:
-    """Make ``model``'s gradient all-reduce go through Squinch (gradients below ``min_numel`` go plain).
-
-    ``process_group`` is the DDP group (``None``: the default group). Gradients are averaged over it,
-    as DDP's own all-reduce does. Call before the first backward. Returns the hook's state (its residuals).
-    """
+    """Make ``model``'s gradient all-reduce over ``process_group`` (``None``: the default group) go through
+    Squinch, gradients below ``min_numel`` plain, averaged as DDP's own. Call before the first backward.
+    Returns the hook's state (its residuals)."""
     if not isinstance(model, DistributedDataParallel):
         raise ValueError(f"register_squinch_ddp_hook expects a DistributedDataParallel model, "
                          f"got {type(model).__name__}")
@@ -353,9 +335,8 @@ def apply_squinch_fsdp(model: nn.Module, *, min_numel: int, error_feedback: bool
     modules = {name: m for name, m in model.named_modules() if isinstance(m, FSDPModule)}
     if not modules:
         raise ValueError("apply_squinch_fsdp: no FSDP2 module (fully_shard) found inside the model")
-    installed = {}
+    installed = {name: SquinchReduceScatter(min_numel, error_feedback, stats) for name in modules}
     for name, module in modules.items():
-        installed[name] = SquinchReduceScatter(min_numel, error_feedback, stats)
         module.set_custom_reduce_scatter(installed[name])
     if any(_is_hsdp(m) for m in modules.values()):
         logger.warning("Squinch on HSDP: FSDP2 in torch %s has no custom all-reduce for the replicate "

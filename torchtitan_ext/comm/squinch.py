@@ -42,6 +42,7 @@ with ``maxabs <= exp(1/6) max|x|`` (q_max not clipped) this is at most ``0.0738 
 
 from __future__ import annotations
 
+import functools
 import os
 import struct
 from decimal import Decimal, localcontext
@@ -110,15 +111,10 @@ class Tables(NamedTuple):
     inverse_scales: torch.Tensor
 
 
-_device_tables: dict[torch.device, Tables] = {}
-
-
+@functools.cache
 def tables(device: torch.device) -> Tables:
     """The tables on ``device``, cached so encoding does not copy them each call."""
-    if device not in _device_tables:
-        _device_tables[device] = Tables(QMAX_THRESHOLDS.to(device), SCALES.to(device), _ODD_SQUARES.to(device),
-                                        (1.0 / SCALES).to(device))
-    return _device_tables[device]
+    return Tables(QMAX_THRESHOLDS.to(device), SCALES.to(device), _ODD_SQUARES.to(device), (1.0 / SCALES).to(device))
 
 
 def encoded_numel(numel: int) -> int:
@@ -193,13 +189,9 @@ def _use_triton(device: torch.device, backend: Backend, op: str) -> bool:
         if backend == "triton":
             raise ValueError(f"squinch.{op}: backend='triton' asked for but triton is not importable") from None
         return False
-    if device.type == "cuda":
-        return True
-    if backend == "triton":
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(f"squinch.{op}: backend='triton' on {device.type} needs TRITON_INTERPRET=1")
-        return True
-    return False
+    if device.type != "cuda" and backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"squinch.{op}: backend='triton' on {device.type} needs TRITON_INTERPRET=1")
+    return device.type == "cuda" or backend == "triton"
 
 
 def encode(x: torch.Tensor, *, backend: Backend = "auto") -> torch.Tensor:
