@@ -36,27 +36,17 @@ def _fields(obj: Any) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(obj)}
 
 
-def _as_bool(value: Any, from_cli: bool) -> bool:
-    """A TOML boolean, or true / false / 1 / 0 from the command line; TypeError otherwise."""
-    if from_cli and isinstance(value, str):
-        if value.lower() not in ("true", "false", "1", "0"):
-            raise TypeError
-        return value.lower() in ("true", "1")
-    if not isinstance(value, bool):
-        raise TypeError
-    return value
-
-
 def _coerce(value: Any, f: dataclasses.Field, where: str, from_cli: bool) -> Any:
     """Convert ``value`` to the field's type (strings come from the command line) and check its rules."""
     kind = f.type if isinstance(f.type, str) else f.type.__name__
     try:
-        if kind == "bool | None":  # tri-state: "" (None, e.g. "the flavor's"), true or false
-            if value == "" or value is None:
-                return None
-            value = _as_bool(value, from_cli)
-        elif kind == "bool":
-            value = _as_bool(value, from_cli)
+        if kind == "bool | None" and (value == "" or value is None):  # tri-state: "" (e.g. "the flavor's")
+            return None
+        if kind in ("bool", "bool | None"):  # a TOML boolean, or true / false / 1 / 0 from the command line
+            if from_cli and isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+                value = value.lower() in ("true", "1")
+            elif not isinstance(value, bool):
+                raise TypeError
         elif kind in ("int", "float"):  # a TOML int is a valid float; a bool is neither
             number = int if kind == "int" else float
             if from_cli and isinstance(value, str):
@@ -120,18 +110,13 @@ def parse_args(argv: list[str]) -> JobConfig:
     cfg = JobConfig()
     overrides: list[tuple[str, str]] = []
     config_file = None
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
+    args = iter(argv)
+    for arg in args:
         if not arg.startswith("--"):
             raise ConfigError(f"argument {arg!r}: expected --config FILE or --section.key value")
         name, eq, value = arg[2:].partition("=")
-        if not eq:
-            if i + 1 >= len(argv):
-                raise ConfigError(f"argument --{name}: missing value")
-            value = argv[i + 1]
-            i += 1
-        i += 1
+        if not eq and (value := next(args, None)) is None:
+            raise ConfigError(f"argument --{name}: missing value")
         if name == "config":
             config_file = value
         elif "." not in name:

@@ -21,19 +21,14 @@ from torchtitan_ext.config.loader import ConfigError
 MEMORY_HISTORY_ENTRIES = 100_000  # allocation events kept by the CUDA caching allocator's history
 
 
-def check_profiling(cfg: ProfilingSection) -> None:
-    """One line for a step range that selects nothing."""
-    if cfg.enabled and cfg.end_step < cfg.start_step:
-        raise ConfigError(f"profiling.end_step = {cfg.end_step} must be >= profiling.start_step = "
-                          f"{cfg.start_step}")
-
-
 class Profiling:
     """Starts at ``start_step``, annotates each step, writes the trace (and snapshot) after ``end_step``."""
 
     def __init__(self, cfg: ProfilingSection, dump_folder: str, rank: int, device: torch.device,
                  log: Callable[[str], None]):
-        check_profiling(cfg)
+        if cfg.enabled and cfg.end_step < cfg.start_step:  # a step range that selects nothing
+            raise ConfigError(f"profiling.end_step = {cfg.end_step} must be >= profiling.start_step = "
+                              f"{cfg.start_step}")
         self.cfg, self.rank, self.log = cfg, rank, log
         self.folder = Path(dump_folder) / cfg.folder
         self.cuda = device.type == "cuda"

@@ -176,8 +176,7 @@ def _parameter_memory(p: Plan, job: _Job) -> None:
     (a unit: one block's dense matrices, TP-sharded, and this rank's experts, EP-sharded); without FSDP the
     trainer runs bf16 autocast, whose weight casts are saved for the backward pass (the whole local model)."""
     g, dims, args, t = job.g, job.dims, job.args, job.cfg.training
-    local = (job.block + job.ends) / dims.tp + g["norms"] * job.frac_layers
-    local /= job.shard
+    local = ((job.block + job.ends) / dims.tp + g["norms"] * job.frac_layers) / job.shard
     muon = job.cfg.optimizer.name == "muon"
     p.memory["parameters (fp32)"] = F32 * local
     p.memory[GRADS] = F32 * local
