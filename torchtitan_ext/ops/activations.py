@@ -73,9 +73,12 @@ def swiglu_fwd(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@swiglu_fwd.register_fake
-def _(a, b):
+def _like_first(a, *rest):
+    """Fake (meta) implementation of the ops whose one output is shaped like their first input."""
     return torch.empty_like(a)
+
+
+swiglu_fwd.register_fake(_like_first)
 
 
 @torch.library.custom_op("tte::swiglu_bwd", mutates_args=())
@@ -91,16 +94,11 @@ def _(a, b, g):
     return torch.empty_like(a), torch.empty_like(b)
 
 
-def _swiglu_setup(ctx, inputs, output):
+def _save_inputs(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
 
 
-def _swiglu_backward(ctx, g):
-    a, b = ctx.saved_tensors
-    return swiglu_bwd(a, b, g)
-
-
-swiglu_fwd.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
+swiglu_fwd.register_autograd(lambda ctx, g: swiglu_bwd(*ctx.saved_tensors, g), setup_context=_save_inputs)
 
 
 @torch.library.custom_op("tte::relu2_fwd", mutates_args=())
@@ -111,9 +109,7 @@ def relu2_fwd(a: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@relu2_fwd.register_fake
-def _(a):
-    return torch.empty_like(a)
+relu2_fwd.register_fake(_like_first)
 
 
 @torch.library.custom_op("tte::relu2_bwd", mutates_args=())
@@ -124,18 +120,5 @@ def relu2_bwd(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return da
 
 
-@relu2_bwd.register_fake
-def _(a, g):
-    return torch.empty_like(a)
-
-
-def _relu2_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[0])
-
-
-def _relu2_backward(ctx, g):
-    (a,) = ctx.saved_tensors
-    return relu2_bwd(a, g)
-
-
-relu2_fwd.register_autograd(_relu2_backward, setup_context=_relu2_setup)
+relu2_bwd.register_fake(_like_first)
+relu2_fwd.register_autograd(lambda ctx, g: relu2_bwd(*ctx.saved_tensors, g), setup_context=_save_inputs)

@@ -24,9 +24,7 @@ _flex_compiled = None
 def build_mask(start: torch.Tensor, limit: torch.Tensor):
     """The mask the attention core takes for a (start, limit) pair on this device: a BlockMask on CUDA, a
     bool (batch, seq_q, seq_k) tensor elsewhere."""
-    if start.is_cuda:
-        return block_masks.get(start, limit)
-    return visibility_mask(start, limit)
+    return block_masks.get(start, limit) if start.is_cuda else visibility_mask(start, limit)
 
 
 def _flex(q, k, v, block_mask, return_lse: bool, scale: float | None = None):

@@ -133,5 +133,4 @@ add_rms_norm_fwd.register_autograd(_backward, setup_context=_setup)
 def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + y, rmsnorm(x + y) * weight) through the Triton kernels."""
-    h, n, _ = add_rms_norm_fwd(x, y, weight, eps)
-    return h, n
+    return add_rms_norm_fwd(x, y, weight, eps)[:2]
