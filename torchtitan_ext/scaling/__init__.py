@@ -10,6 +10,7 @@ scores and the output head left out)."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import itertools
 import math
@@ -90,11 +91,10 @@ class ScalingLaw:
         return ComputeOptimal(flops, n, d, float(self.loss(n, d)))
 
 
-def fit_law(runs: Sequence[Run], source: str = "the runs", delta: float = HUBER_DELTA,
-            refine: int = REFINED_STARTS) -> ScalingLaw:
+def fit_law(runs: Sequence[Run], source: str = "the runs") -> ScalingLaw:
     """Minimise sum Huber_delta(log L_pred - log L) over (a, alpha, b, beta, e), log L_pred = logsumexp(a - alpha
     log N, b - beta log D, e) (positive A, B, E by construction; the log keeps every loss scale equally
-    weighted), with L-BFGS-B from the ``refine`` best of ``START_GRID``; the lowest optimum wins."""
+    weighted), with L-BFGS-B from the ``REFINED_STARTS`` best of ``START_GRID``; the lowest optimum wins."""
     try:
         from scipy.optimize import minimize
     except ImportError:
@@ -105,17 +105,14 @@ def fit_law(runs: Sequence[Run], source: str = "the runs", delta: float = HUBER_
     if len({r.params for r in runs}) < 2 or len({r.tokens for r in runs}) < 2:
         raise ScalingError(f"{source}: the runs need at least 2 different params and 2 different tokens values")
     logs = tuple(np.log(np.array([[r.params, r.tokens, r.loss] for r in runs]).T))
-    screen = np.concatenate([_objective(chunk, *logs, delta)[0] for chunk in np.array_split(START_GRID, 10)])
+    screen = np.concatenate([_objective(chunk, *logs, HUBER_DELTA)[0] for chunk in np.array_split(START_GRID, 10)])
 
     def one(theta: np.ndarray) -> tuple[float, np.ndarray]:
-        value, grad = _objective(theta, *logs, delta)
+        value, grad = _objective(theta, *logs, HUBER_DELTA)
         return float(value[0]), grad[0]
-    best = None
-    for start in START_GRID[np.argsort(screen)[:refine]]:
-        res = minimize(one, start, jac=True, method="L-BFGS-B", bounds=_BOUNDS,
-                       options={"maxiter": 1000, "ftol": 1e-15, "gtol": 1e-12})
-        if best is None or res.fun < best.fun:
-            best = res
+    best = min((minimize(one, start, jac=True, method="L-BFGS-B", bounds=_BOUNDS,
+                         options={"maxiter": 1000, "ftol": 1e-15, "gtol": 1e-12})
+                for start in START_GRID[np.argsort(screen)[:REFINED_STARTS]]), key=lambda res: res.fun)
     a, alpha, b, beta, e = (float(v) for v in best.x)
     if max(a, b, e) > MAX_LOG_COEFFICIENT:
         raise ScalingError(f"{source}: the fit ran off to log A = {a:.3g}, log B = {b:.3g}, log E = {e:.3g}: the "
@@ -143,11 +140,9 @@ def _objective(theta: np.ndarray, log_n: np.ndarray, log_d: np.ndarray, log_l: n
 
 def report(law: ScalingLaw, flops: float | None = None, predict: tuple[float, float] | None = None) -> dict:
     """The fit as JSON-ready values; with ``flops`` the compute-optimal point, with ``predict`` = (N, D) its loss."""
-    out: dict = {"law": LAW, "E": law.E, "A": law.A, "alpha": law.alpha, "B": law.B, "beta": law.beta,
-                 "objective": law.objective, "runs": law.runs}
+    out = {"law": LAW, **dataclasses.asdict(law)}
     if flops is not None:
-        opt = law.compute_optimal(flops)
-        out["compute_optimal"] = {"flops": opt.flops, "params": opt.params, "tokens": opt.tokens, "loss": opt.loss}
+        out["compute_optimal"] = dataclasses.asdict(law.compute_optimal(flops))
     if predict is not None:
         out["prediction"] = {"params": predict[0], "tokens": predict[1], "loss": float(law.loss(*predict))}
     return out

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -85,7 +86,7 @@ def _sweep(ns: argparse.Namespace, overrides: list[str]) -> None:
 
     plan = plan_sweep(cli.job_argv(ns, overrides), ns.widths, ns.tokens, ns.out, ns.nproc)
     if ns.dry_run:
-        print("\n".join(job.shell() for job in plan))
+        print("\n".join(shlex.join(job.command) for job in plan))
         return
     runs = run_sweep(plan, ns.parallel)
     out = Path(ns.out)

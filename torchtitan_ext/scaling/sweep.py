@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import math
-import shlex
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -36,9 +35,6 @@ class PlannedRun:
     params: int
     folder: Path
     command: list[str]
-
-    def shell(self) -> str:
-        return shlex.join(self.command)
 
 
 def width_overrides(args: ModelArgs, dim: int) -> dict[str, int]:
