@@ -85,6 +85,22 @@ def test_ema_under_fsdp_equals_float64_reference():
             torch.testing.assert_close(shadows[n].double(), ref[n], rtol=1e-6, atol=1e-6)
 
 
+def test_ema_names_do_not_depend_on_activation_checkpointing():
+    """The average's keys are the plain model's parameter names, with or without AC wrappers and compile, so
+    a checkpoint's EMA state loads after activation checkpointing is switched on or off."""
+    from torchtitan_ext.models.args import ModelArgs
+    from torchtitan_ext.models.decoder import Decoder
+    from torchtitan_ext.parallel.activation_checkpoint import apply_activation_checkpointing
+
+    args = ModelArgs(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=16)
+    plain = Decoder(args)
+    names = [n for n, _ in plain.named_parameters()]
+    wrapped = Decoder(args)
+    apply_activation_checkpointing(wrapped, "full", 1)
+    assert any("_checkpoint_wrapped_module" in n for n, _ in wrapped.named_parameters())
+    assert list(EMA([wrapped], 0.9).shadow) == names == list(EMA([plain], 0.9).shadow)
+
+
 def test_batch_warmup_schedule_by_hand():
     w = BatchWarmup(full_micro=4, start_micro=1, micro_tokens=100, warmup_tokens=1000, steps=10)
     # tokens consumed before steps 1..8: 0, 100, 200, 300, 400, 600, 800, 1100 -> 1 + 3 * consumed // 1000

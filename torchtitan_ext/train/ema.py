@@ -15,15 +15,13 @@ from collections.abc import Iterator
 import torch
 import torch.nn as nn
 
-
-def _fqn(name: str) -> str:
-    return name.replace("module.", "").replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+from torchtitan_ext.parallel.compile import clean_fqn
 
 
 class EMA:
     def __init__(self, parts: list[nn.Module], decay: float, every: int = 1, start_step: int = 0):
         self.decay, self.every, self.start_step = decay, every, start_step
-        self.params: dict[str, nn.Parameter] = {_fqn(n): p for m in parts for n, p in m.named_parameters()}
+        self.params: dict[str, nn.Parameter] = {clean_fqn(n): p for m in parts for n, p in m.named_parameters()}
         with torch.no_grad():
             self.shadow = {n: p.detach().float().clone() for n, p in self.params.items()}
         self.started = False
