@@ -1,10 +1,8 @@
-"""The data layer's base types: the ``Batch`` every loader yields, the ``Loader`` and ``Tokenizer``
-protocols, the position state that makes loaders resumable, and ``LoaderContext``, what every source and
-packer is built from (``data/registry.py`` makes it from the job config).
+"""The data layer's base types: the ``Batch`` every loader yields, the ``Loader`` protocol, the position
+state that makes loaders resumable, and ``LoaderContext``, what every source and packer is built from.
 
 A loader's state is its global position (windows, or global micro-batches for a mixture), the same on
-every data-parallel rank, so a checkpoint resumes under any world size with the same data. Loaders never
-import one another's modules except through this one, and nothing in ``data/`` imports the registry.
+every data-parallel rank, so a checkpoint resumes under any world size with the same data.
 """
 
 from __future__ import annotations
@@ -12,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -32,7 +30,6 @@ class Batch:
     positions: torch.Tensor | None = None  # (batch, seq) RoPE positions; None: 0, 1, ...
 
 
-@runtime_checkable
 class Loader(Protocol):
     """What the trainer, the checkpoint and evaluation use of a loader."""
 
@@ -46,11 +43,6 @@ class Loader(Protocol):
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state: dict) -> None: ...
-
-
-class Tokenizer(Protocol):
-    vocab_size: int
-    name: str
 
 
 class PretokenizedVocab:
@@ -73,6 +65,12 @@ class PositionState:
 
     def load_state_dict(self, state: dict) -> None:
         self.position = int(state["position"])
+
+    def _advance(self) -> range:
+        """This rank's slice of the next global batch (global window indices); moves the position past it."""
+        first = self.position + self.dp_rank * self.local_batch_size
+        self.position += self.local_batch_size * self.dp_world_size
+        return range(first, first + self.local_batch_size)
 
 
 class EpochOrder:

@@ -6,19 +6,30 @@ about 2% of the files, chosen by a hash of their path, form the validation split
 
 from __future__ import annotations
 
-import logging
+import fcntl
 import sys
 import sysconfig
 import zlib
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
-from torchtitan_ext.data.filelock import FileLock
 from torchtitan_ext.data.shards import write_shard
 
-logger = logging.getLogger(__name__)
 _SKIP_DIRS = {"site-packages", "test", "tests", "idlelib", "__pycache__", "lib2to3"}
+
+
+@contextmanager
+def file_lock(path: Path):
+    """An exclusive lock on ``path`` so that one process builds a cached file while the others wait."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def stdlib_files() -> list[Path]:
@@ -37,11 +48,9 @@ def read_texts(files: list[Path]) -> list[str]:
 
 def training_chunks(texts: list[str], lines: int = 24) -> list[str]:
     """Multi-line pieces of source (keeping newlines) as SentencePiece's training 'sentences'."""
-    out = []
-    for text in texts:
-        rows = text.splitlines(keepends=True)
-        out.extend("".join(rows[i:i + lines]) for i in range(0, len(rows), lines))
-    return [c for c in out if c.strip()]
+    rows = [text.splitlines(keepends=True) for text in texts]
+    chunks = ("".join(r[i:i + lines]) for r in rows for i in range(0, len(r), lines))
+    return [c for c in chunks if c.strip()]
 
 
 def _encode_all(tokenizer, texts: list[str]) -> np.ndarray:
@@ -54,7 +63,7 @@ def builtin_shards(tokenizer, cache_dir: Path) -> tuple[Path, Path]:
     """(train, validation) shard paths of the corpus under ``tokenizer``, built on first use."""
     folder = cache_dir / f"stdlib_py{sys.version_info[0]}{sys.version_info[1]}_{tokenizer.name}"
     train, val = folder / "train.bin", folder / "val.bin"
-    with FileLock(cache_dir / "corpus.lock"):
+    with file_lock(cache_dir / "corpus.lock"):
         if not (train.is_file() and val.is_file()):
             folder.mkdir(parents=True, exist_ok=True)
             files = stdlib_files()

@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from torchtitan_ext.config.job_config import DataSection, JobConfig
 from torchtitan_ext.config.loader import ConfigError
-from torchtitan_ext.data.base import Loader, LoaderContext, PretokenizedVocab, Tokenizer
+from torchtitan_ext.data.base import Loader, LoaderContext, PretokenizedVocab
 from torchtitan_ext.data.documents import Documents
 from torchtitan_ext.data.packers import bfd, concat
 from torchtitan_ext.data.sources import builtin, chat, domains, shards, trees
-from torchtitan_ext.data.tokenizers import open_tokenizer, run_tokenizer
+from torchtitan_ext.data.tokenizers import BaseTokenizer, open_tokenizer, run_tokenizer
 
 SOURCES: dict[str, Callable] = {
     "builtin": builtin.build,
@@ -34,15 +34,14 @@ PACKERS: dict[str, Callable] = {
 }
 
 
-@dataclass
-class DataBundle:
+class DataBundle(NamedTuple):
     loader: Loader  # training loader (a MixingLoader with data.domains)
     val_loader: Loader | dict[str, Loader] | None
     documents: Documents | None  # data.attention == "document": the helper the loaders use
 
 
 def build_tokenizer(data: DataSection, dump_folder: str | None = None, save: bool = False,
-                    resume: bool = True) -> Tokenizer:
+                    resume: bool = True) -> BaseTokenizer | PretokenizedVocab:
     """``data.tokenizer``: byte, builtin (trained on the corpus, cached), a Hugging Face tokenizer.json (or its
     folder), a tiktoken ``.tiktoken`` file, a SentencePiece model, a saved tokenizer folder (see
     ``data/tokenizers``), or none (pretokenized shards; the vocabulary comes from model.vocab_size).
@@ -58,36 +57,21 @@ def build_tokenizer(data: DataSection, dump_folder: str | None = None, save: boo
     return open_tokenizer(data.tokenizer, data.tokenizer_vocab_size, _cache_dir(data))
 
 
-def source_name(data: DataSection) -> str:
-    """The ``SOURCES`` key ``cfg.data`` selects."""
-    if data.attention == "tree":
-        return "trees"
-    if data.domains:
-        return "domains"
-    return data.dataset
-
-
-def build_documents(data: DataSection, tokenizer) -> Documents | None:
-    if data.attention != "document":
-        return None
-    eot_id = getattr(tokenizer, "eot_id", None)
-    if eot_id is None:
-        raise ConfigError("data.attention = 'document' needs a tokenizer with an end-of-text token")
-    return Documents(eot_id, data.position_reset)
-
-
 def build_loaders(cfg: JobConfig, tokenizer, *, dp_rank: int, dp_world_size: int, vocab_limit: int,
                   sidecars: Callable[[Loader], object] | None = None) -> DataBundle:
     """Training and validation loaders of this data-parallel rank. ``vocab_limit``: a token id >= it stops
     the job naming its shard (0: unchecked). ``sidecars(loader)``: distillation's sidecars, built by the
     plain shard stream (other loaders leave ``loader.sidecars`` None)."""
     d, t = cfg.data, cfg.training
-    name, packing = source_name(d), d.packing
+    name = "trees" if d.attention == "tree" else "domains" if d.domains else d.dataset  # the SOURCES key
+    packing = d.packing
     if name not in SOURCES:
         raise ConfigError(f"data.dataset = {d.dataset!r}: unknown source; valid: {', '.join(SOURCES)}")
     if packing not in PACKERS:
         raise ConfigError(f"data.packing = {packing!r}: unknown packer; valid: {', '.join(PACKERS)}")
-    documents = build_documents(d, tokenizer)
+    if d.attention == "document" and getattr(tokenizer, "eot_id", None) is None:
+        raise ConfigError("data.attention = 'document' needs a tokenizer with an end-of-text token")
+    documents = Documents(tokenizer.eot_id, d.position_reset) if d.attention == "document" else None
     ctx = LoaderContext(tokenizer=tokenizer, cache_dir=_cache_dir(d), seq_len=t.seq_len,
                         local_batch_size=t.local_batch_size, dp_rank=dp_rank, dp_world_size=dp_world_size,
                         seed=cfg.job.seed, shuffle=d.shuffle, vocab_limit=vocab_limit, packer=PACKERS[packing],

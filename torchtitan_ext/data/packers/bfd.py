@@ -43,14 +43,9 @@ def bfd_bins(lengths: list[int], capacity: int) -> list[list[int]]:
 
 def split_documents(tokens: np.ndarray, eot_id: int, window: int) -> list[np.ndarray]:
     """The documents of a token stream (each with its end-of-text), those over ``window`` cut into pieces."""
-    ends = np.flatnonzero(tokens == eot_id) + 1
-    starts = np.concatenate([[0], ends])
-    stops = np.concatenate([ends, [len(tokens)]])
-    docs = []
-    for a, b in zip(starts, stops, strict=True):
-        for s in range(int(a), int(b), window):
-            docs.append(tokens[s:min(int(b), s + window)])
-    return [d for d in docs if len(d)]
+    ends = (np.flatnonzero(tokens == eot_id) + 1).tolist()
+    return [tokens[s:min(b, s + window)] for a, b in zip([0, *ends], [*ends, len(tokens)], strict=True)
+            for s in range(a, b, window)]
 
 
 def pack(tokens: np.ndarray, eot_id: int, window: int) -> tuple[np.ndarray, float]:
@@ -59,12 +54,9 @@ def pack(tokens: np.ndarray, eot_id: int, window: int) -> tuple[np.ndarray, floa
     bins = bfd_bins([len(d) for d in docs], window)
     out = np.full((len(bins), window), PAD, dtype=np.int64)
     for row, members in enumerate(bins):
-        at = 0
-        for i in members:
-            out[row, at:at + len(docs[i])] = docs[i]
-            at += len(docs[i])
-    total = out.size
-    return out, (float((out == PAD).sum()) / total if total else 0.0)
+        joined = np.concatenate([docs[i] for i in members])
+        out[row, :len(joined)] = joined
+    return out, (float((out == PAD).sum()) / out.size if out.size else 0.0)
 
 
 class PackedDataLoader(PositionState):
@@ -84,7 +76,6 @@ class PackedDataLoader(PositionState):
             raise ShardError(f"{shards[0].parent}: {self.n_windows} packed windows, fewer than one global batch "
                              f"({local_batch_size * dp_world_size})")
         self.vocab_limit = vocab_limit
-        self.position = 0
         self._order = EpochOrder(self.n_windows, seed, shuffle)
         logger.info(f"data.packing = 'bfd': {self.n_windows:,} windows of {seq_len + 1} tokens, padding "
                     f"{100 * self.padding_fraction:.2f}%")
@@ -93,9 +84,7 @@ class PackedDataLoader(PositionState):
         return self.windows[self._order(g)], 0
 
     def next_batch(self) -> Batch:
-        first = self.position + self.dp_rank * self.local_batch_size
-        rows = [self._window(first + j)[0] for j in range(self.local_batch_size)]
-        self.position += self.local_batch_size * self.dp_world_size
+        rows = [self._window(g)[0] for g in self._advance()]
         return rows_to_batch(rows, [0] * len(rows), self.vocab_limit, lambda d: str(self.shards[0].parent))
 
 

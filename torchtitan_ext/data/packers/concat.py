@@ -13,9 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from torchtitan_ext.data.base import Batch, EpochOrder, LoaderContext, PositionState
+from torchtitan_ext.data.base import Batch, EpochOrder, LoaderContext, PositionState, rows_to_batch
 from torchtitan_ext.data.documents import Documents
 from torchtitan_ext.data.shards import ShardError, read_shard
 
@@ -37,7 +36,6 @@ class TokenDataLoader(PositionState):
                              f"{len(shards)} shard(s), fewer than one global batch "
                              f"({local_batch_size * dp_world_size})")
         self.vocab_limit = vocab_limit
-        self.position = 0
         self._order = EpochOrder(self.n_windows, seed, shuffle)
         self.documents = documents
         self.sidecars = sidecars(self) if sidecars is not None else None  # distill.sidecar.SidecarSet
@@ -53,18 +51,10 @@ class TokenDataLoader(PositionState):
         return shard, (i - int(self.first_window[shard])) * self.seq_len
 
     def next_batch(self) -> Batch:
-        first = self.position + self.dp_rank * self.local_batch_size
-        windows = [self._window(first + j) for j in range(self.local_batch_size)]
-        self.position += self.local_batch_size * self.dp_world_size
-        data = torch.from_numpy(np.stack([w for w, _ in windows]).astype(np.int64))
-        domains = torch.tensor([s for _, s in windows])
-        if self.vocab_limit and int(data.max()) >= self.vocab_limit:
-            bad = int(domains[data.max(dim=1).values.argmax()])
-            raise ShardError(f"{self.shards[bad]}: token id {int(data.max())} >= model vocabulary "
-                             f"{self.vocab_limit}; set model.vocab_size")
-        starts = [self.window_start(first + j) for j in range(self.local_batch_size)]
-        teacher = self.sidecars.read(starts, self.seq_len) if self.sidecars is not None else None
-        batch = Batch(data[:, :-1], data[:, 1:], domains, teacher=teacher)
+        starts = [self.window_start(g) for g in self._advance()]
+        rows = [self.tokens[shard][start:start + self.seq_len + 1] for shard, start in starts]
+        batch = rows_to_batch(rows, [shard for shard, _ in starts], self.vocab_limit, lambda d: self.shards[d])
+        batch.teacher = self.sidecars.read(starts, self.seq_len) if self.sidecars is not None else None
         if self.documents is not None:
             batch.visibility, batch.positions = self.documents.batch(batch.inputs, self.tokens, starts)
         return batch

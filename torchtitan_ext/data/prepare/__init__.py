@@ -106,11 +106,10 @@ class ShardWriter:
         """Buffer ``tokens``; True when a shard was written."""
         self.buf.append(tokens)
         self.buffered += len(tokens)
-        flushed = False
+        full = self.buffered >= self.shard_tokens
         while self.buffered >= self.shard_tokens:
             self._flush(self.shard_tokens)
-            flushed = True
-        return flushed
+        return full
 
     def _flush(self, n: int) -> None:
         data = np.concatenate(self.buf)
@@ -154,10 +153,12 @@ def _process(texts: list[str]) -> list[tuple[np.ndarray | None, str | None, np.n
     return out
 
 
-def _save_state(out: Path, state: dict) -> None:
+def _save_state(out: Path, writer: ShardWriter, state: dict, **changes) -> None:
+    """``state`` with ``changes`` and the writer's position, written atomically."""
     tmp = out / (STATE + ".tmp")
     with open(tmp, "wb") as f:
-        pickle.dump(state, f)
+        pickle.dump({**state, **changes, "index": dict(writer.index), "val_left": writer.val_left,
+                     "written": writer.written}, f)
     os.replace(tmp, out / STATE)
 
 
@@ -308,14 +309,12 @@ def _write(opts, hooks: Hooks, files, filters, pool, out: Path, total_bytes: int
                 continue
         kept += 1
         if writer.add(tokens):
-            _save_state(out, {**state, "records": record, "kept": kept, "removed": removed, "dedup": dedup,
-                              "carry": np.concatenate(writer.buf), "index": dict(writer.index),
-                              "val_left": writer.val_left, "written": writer.written})
+            _save_state(out, writer, state, records=record, kept=kept, removed=removed, dedup=dedup,
+                        carry=np.concatenate(writer.buf))
     writer.close()
     progress.update(0, 0, 0, final=True)
-    _save_state(out, {**state, "records": progress.docs + state["records"], "kept": kept, "removed": removed,
-                      "dedup": None, "carry": np.zeros(0, np.int32), "index": dict(writer.index),
-                      "val_left": writer.val_left, "written": writer.written, "done": True})
+    _save_state(out, writer, state, records=progress.docs + state["records"], kept=kept, removed=removed,
+                dedup=None, carry=np.zeros(0, np.int32), done=True)
     report = {"documents_kept": kept, "removed": removed, "tokens": writer.written,
               "train_shards": writer.index["train"], "val_shards": writer.index["val"],
               "mb_per_s": round(progress.mb_per_s, 3), "workers": opts.workers}

@@ -46,14 +46,19 @@ class _ConsoleProgress:
     def __init__(self) -> None:
         self.bar = None
         self.logged = 0.0
+        try:
+            from tqdm import tqdm
+        except ImportError:  # the data extra is not installed: plain lines
+            tqdm = None
+        self.tqdm = tqdm
 
     def __call__(self, p: Progress, final: bool) -> None:
         mb = p.mb_per_s
         eta = max((p.total - p.bytes) / (mb * 1e6), 0.0) if mb > 0 else 0.0
         stats = f"{p.docs:,} docs  {p.tokens:,} tokens  {mb:.2f} MB/s"
-        if sys.stderr.isatty() and self._tqdm() is not None:
+        if sys.stderr.isatty() and self.tqdm is not None:
             if self.bar is None:
-                self.bar = self._tqdm()(total=p.total, desc=p.label, unit="B", unit_scale=True, file=sys.stderr)
+                self.bar = self.tqdm(total=p.total, desc=p.label, unit="B", unit_scale=True, file=sys.stderr)
             self.bar.update(min(p.bytes, p.total) - self.bar.n)
             self.bar.set_postfix_str(f"{stats}  ETA {eta:.0f}s", refresh=False)
             if final:
@@ -68,14 +73,6 @@ class _ConsoleProgress:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
-
-    @staticmethod
-    def _tqdm():
-        try:
-            from tqdm import tqdm
-        except ImportError:  # the data extra is not installed: plain lines
-            return None
-        return tqdm
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -32,14 +32,10 @@ def pack_conversations(conversations: list[tuple[np.ndarray, np.ndarray]], windo
     tokens = np.zeros((len(bins), window), dtype=np.int64)
     labels = np.full((len(bins), window), IGNORE, dtype=np.int64)
     for row, members in enumerate(bins):
-        at = 0
-        for i in members:
-            t, m = conversations[i]
-            tokens[row, at:at + len(t)] = t
-            labels[row, at:at + len(t)] = np.where(m, t, IGNORE)
-            at += len(t)
-        if at < window:  # padding: repeats of the last end-of-text, a document of its own, never a target
-            tokens[row, at:] = tokens[row, at - 1]
+        t, m = (np.concatenate(parts) for parts in zip(*(conversations[i] for i in members), strict=True))
+        # padding: repeats of the last end-of-text, a document of its own, never a target
+        tokens[row] = np.pad(t, (0, window - len(t)), mode="edge")
+        labels[row, :len(t)] = np.where(m, t, IGNORE)
     return tokens, labels
 
 
@@ -51,7 +47,7 @@ class ChatLoader(PositionState):
     def __init__(self, files: list[Path], tokenizer, template: ChatTemplate, seq_len: int, local_batch_size: int,
                  dp_rank: int, dp_world_size: int, seed: int, shuffle: bool, vocab_limit: int = 0):
         self.local_batch_size, self.dp_rank, self.dp_world_size = local_batch_size, dp_rank, dp_world_size
-        self.eot_id, self.vocab_limit, self.position = tokenizer.eot_id, vocab_limit, 0
+        self.eot_id, self.vocab_limit = tokenizer.eot_id, vocab_limit
         conversations, truncated = [], 0
         for path in files:
             for number, messages in read_conversations(path):
@@ -74,9 +70,7 @@ class ChatLoader(PositionState):
                     f"to the window)")
 
     def next_batch(self) -> Batch:
-        first = self.position + self.dp_rank * self.local_batch_size
-        rows = [self._order(first + j) for j in range(self.local_batch_size)]
-        self.position += self.local_batch_size * self.dp_world_size
+        rows = [self._order(g) for g in self._advance()]
         tokens, labels = torch.from_numpy(self.tokens[rows]), torch.from_numpy(self.labels[rows])
         batch = Batch(tokens[:, :-1], labels[:, 1:], torch.zeros(len(rows), dtype=torch.long))
         batch.visibility, batch.positions = document_batch(batch.inputs, self.eot_id)

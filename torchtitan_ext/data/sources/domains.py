@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import zlib
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -33,8 +33,7 @@ from torchtitan_ext.data.shards import list_shards
 _KEYS = {"name": str, "train": str, "val": str, "weight": (int, float)}
 
 
-@dataclass(frozen=True)
-class Domain:
+class Domain(NamedTuple):
     name: str
     train: str  # shard glob or folder
     val: str  # shard glob or folder; "" for none
@@ -120,20 +119,12 @@ class MixingLoader:
 
     def next_batch(self) -> Batch:
         assign = self.assignment(self.position)
-        # k-th slot of a domain in this batch -> that domain's (consumed + k)-th window
-        rank_in_domain = np.zeros(len(assign), dtype=np.int64)
-        seen = np.zeros(len(self.domains), dtype=np.int64)
-        for j, d in enumerate(assign):
-            rank_in_domain[j] = seen[d]
-            seen[d] += 1
         lo = self.dp_rank * self.local_batch_size
-        rows, doms = [], []
-        for j in range(lo, lo + self.local_batch_size):
-            d = int(assign[j])
-            window, _ = self.sources[d]._window(int(self.consumed[d] + rank_in_domain[j]))
-            rows.append(window)
-            doms.append(d)
-        self.consumed += seen
+        doms = [int(d) for d in assign[lo:lo + self.local_batch_size]]
+        # the k-th slot of a domain in this batch -> that domain's (consumed + k)-th window
+        rows = [self.sources[d]._window(int(self.consumed[d]) + int(np.count_nonzero(assign[:lo + j] == d)))[0]
+                for j, d in enumerate(doms)]
+        self.consumed += np.bincount(assign, minlength=len(self.domains))
         self.position += 1
         return rows_to_batch(rows, doms, self.vocab_limit, lambda d: f"data.domains {self.names[d]!r}")
 
@@ -180,11 +171,9 @@ def build(data, ctx: LoaderContext) -> tuple[MixingLoader, dict[str, TokenDataLo
     loader = MixingLoader(parsed, ctx.seq_len, ctx.local_batch_size, ctx.dp_rank, ctx.dp_world_size, ctx.seed,
                           ctx.shuffle, data.mixing, data.mixing_rate, data.mixing_floor, data.mixing_cap,
                           _domain_stream(ctx), vocab_limit=ctx.vocab_limit)
-    val: dict[str, TokenDataLoader] = {}
-    for i, d in enumerate(parsed):
-        if d.val:
-            val[d.name] = TokenDataLoader(list_shards(d.val, f"data.domains[{i}].val ({d.name})"), shuffle=False,
-                                          vocab_limit=ctx.vocab_limit, **ctx.window_args())
+    val = {d.name: TokenDataLoader(list_shards(d.val, f"data.domains[{i}].val ({d.name})"), shuffle=False,
+                                   vocab_limit=ctx.vocab_limit, **ctx.window_args())
+           for i, d in enumerate(parsed) if d.val}
     if data.mixing == "adaptive" and len(val) != len(parsed):
         missing = next(d.name for d in parsed if d.name not in val)
         raise ConfigError(f"data.mixing = 'adaptive' needs a validation split (val) for every domain; "

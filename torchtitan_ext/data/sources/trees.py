@@ -49,18 +49,14 @@ def ordered_tree(record, where: str) -> tuple[list[str], list[int]]:
         if key in ids:
             raise TreeError(f"{where}: node id {key} appears twice")
         ids[key] = i
-    children: dict[int, list[int]] = {i: [] for i in range(len(nodes))}
-    roots = []
+    children: dict[int, list[int]] = {i: [] for i in range(-1, len(nodes))}  # -1: the roots
     for i, node in enumerate(nodes):
         parent = node.get("parent")
-        if parent is None:
-            roots.append(i)
-        elif json.dumps(parent) not in ids:
+        if parent is not None and json.dumps(parent) not in ids:
             raise TreeError(f"{where}: node {json.dumps(node['id'])} has unknown parent {json.dumps(parent)}")
-        else:
-            children[ids[json.dumps(parent)]].append(i)
+        children[-1 if parent is None else ids[json.dumps(parent)]].append(i)
     order, parents, new_index = [], [], {}
-    stack = [(r, -1) for r in reversed(roots)]
+    stack = [(r, -1) for r in reversed(children[-1])]
     while stack:
         i, parent = stack.pop()
         new_index[i] = len(order)
@@ -158,7 +154,6 @@ class TreeDataLoader(PositionState):
                              f"batch ({local_batch_size * dp_world_size}); {self.skipped} trees exceed "
                              f"training.seq_len = {seq_len}")
         self.vocab_limit = vocab_limit
-        self.position = 0
         self._order = EpochOrder(self.n_windows, seed, shuffle)
 
     def _pack(self) -> list[list[int]]:
@@ -203,9 +198,7 @@ class TreeDataLoader(PositionState):
         return inputs, labels, start, limit, positions
 
     def next_batch(self) -> Batch:
-        first = self.position + self.dp_rank * self.local_batch_size
-        rows = [self.window(first + j) for j in range(self.local_batch_size)]
-        self.position += self.local_batch_size * self.dp_world_size
+        rows = [self.window(g) for g in self._advance()]
         inputs, labels, start, limit, positions = (torch.stack(x) for x in zip(*rows, strict=True))
         if self.vocab_limit and int(inputs.max()) >= self.vocab_limit:
             raise ShardError(f"token id {int(inputs.max())} >= model vocabulary {self.vocab_limit}; set "

@@ -1,6 +1,5 @@
-"""Tokenizers behind one interface (``encode``, ``encode_batch``, ``decode``, ``vocab_size``, ``eot_id``,
-``bos_id``, ``pad_id``, ``name``, ``token_byte_lengths``, ``save``, ``fingerprint``; ``common.py``), chosen
-from ``data.tokenizer`` (and ``data.prepare --tokenizer``) by :func:`open_tokenizer`:
+"""Tokenizers behind one interface (``common.py``), chosen from ``data.tokenizer`` (and ``data.prepare
+--tokenizer``) by :func:`open_tokenizer`:
 
 * ``byte``: UTF-8 bytes and an end-of-text id (``byte.py``);
 * ``builtin``: a SentencePiece BPE trained on the built-in corpus and cached (``data/corpus.py``);
@@ -18,7 +17,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from torchtitan_ext.data.tokenizers import byte, hf, sentencepiece, tiktoken
+from torchtitan_ext.data.tokenizers import tiktoken
 from torchtitan_ext.data.tokenizers.byte import ByteTokenizer
 from torchtitan_ext.data.tokenizers.common import (
     EXTRA,
@@ -35,8 +34,13 @@ __all__ = ["EXTRA", "META", "RUN_FOLDER", "BaseTokenizer", "ByteTokenizer", "HFT
            "SentencePieceTokenizer", "TiktokenTokenizer", "TokenizerError", "load_tokenizer", "open_tokenizer",
            "read_meta", "run_tokenizer", "train_bpe", "vocab_size_of"]
 
-KINDS = {"byte": byte, "sentencepiece": sentencepiece, "hf": hf, "tiktoken": tiktoken}  # kind -> load(folder, meta)
-SUFFIXES = {".json": "hf", ".tiktoken": "tiktoken", ".model": "sentencepiece"}
+KINDS = {  # kind -> (folder, meta) -> the tokenizer saved there
+    "byte": lambda folder, meta: ByteTokenizer(),
+    "sentencepiece": lambda folder, meta: SentencePieceTokenizer(folder / meta["files"][0], name=meta["name"]),
+    "hf": lambda folder, meta: HFTokenizer(folder / "tokenizer.json", name=meta["name"]),
+    "tiktoken": lambda folder, meta: TiktokenTokenizer(folder / meta["files"][0], name=meta["name"],
+                                                       **meta["settings"]),
+}
 RUN_FOLDER = "tokenizer"
 VALID = ("byte, builtin, none, a tokenizer.json file or folder, a .tiktoken file (optionally :<encoding>), a "
          "SentencePiece .model, or a saved tokenizer folder")
@@ -51,7 +55,7 @@ def load_tokenizer(folder: str | os.PathLike) -> BaseTokenizer:
         raise TokenizerError(f"{folder}: no {META} (not a saved tokenizer folder)")
     if meta.get("kind") not in KINDS:
         raise TokenizerError(f"{folder / META}: unknown tokenizer kind {meta.get('kind')!r}")
-    tok = KINDS[meta["kind"]].load(folder, meta)
+    tok = KINDS[meta["kind"]](folder, meta)
     if tok.fingerprint() != meta.get("fingerprint"):
         raise TokenizerError(f"{folder}: the tokenizer files do not match the fingerprint in {META} (modified?)")
     return tok
@@ -73,15 +77,12 @@ def _open_path(spec: str) -> BaseTokenizer:
                              f"tokenizer.json, a .tiktoken file, a SentencePiece .model or {META})")
     if not p.is_file():
         raise TokenizerError(f"data.tokenizer = {spec!r}: no such file or folder (valid: {VALID})")
-    kind = SUFFIXES.get(p.suffix)
-    if kind == "hf":
-        return HFTokenizer(p)
-    if kind == "tiktoken":
+    if p.suffix == ".tiktoken":
         return TiktokenTokenizer(p, encoding)
-    if kind == "sentencepiece":
-        return SentencePieceTokenizer(p)
-    raise TokenizerError(f"data.tokenizer = {spec!r}: unknown tokenizer file type {p.suffix or '(none)'!r} "
-                         f"(valid: {VALID})")
+    if p.suffix not in (".json", ".model"):
+        raise TokenizerError(f"data.tokenizer = {spec!r}: unknown tokenizer file type {p.suffix or '(none)'!r} "
+                             f"(valid: {VALID})")
+    return HFTokenizer(p) if p.suffix == ".json" else SentencePieceTokenizer(p)
 
 
 def open_tokenizer(spec: str, vocab_size: int = 4096, cache_dir: str | os.PathLike | None = None) -> BaseTokenizer:
@@ -108,11 +109,6 @@ def vocab_size_of(spec: str, vocab_size: int = 4096) -> int:
     return open_tokenizer(spec, vocab_size).vocab_size
 
 
-def spec_key(spec: str, vocab_size: int) -> str:
-    """What identifies a ``data.tokenizer`` setting (the builtin one's vocabulary included)."""
-    return f"builtin:{vocab_size}" if spec == "builtin" else spec
-
-
 def run_tokenizer(spec: str, vocab_size: int, cache_dir: str | os.PathLike | None, dump_folder: str | os.PathLike,
                   save: bool, resume: bool = True) -> BaseTokenizer:
     """The tokenizer of a run whose dump folder is ``dump_folder``. When ``<dump_folder>/tokenizer/`` holds
@@ -122,7 +118,7 @@ def run_tokenizer(spec: str, vocab_size: int, cache_dir: str | os.PathLike | Non
     there is none, or replace a stale one on a start from step 0 (rank 0)."""
     folder = Path(dump_folder).expanduser() / RUN_FOLDER
     meta = read_meta(folder)
-    key = spec_key(spec, vocab_size)
+    key = f"builtin:{vocab_size}" if spec == "builtin" else spec  # what identifies the setting
     path = Path(tiktoken.split_spec(spec)[0]).expanduser()
     if meta is not None and meta.get("spec") == key and (spec == "builtin" or (spec != "byte" and not path.exists())):
         return load_tokenizer(folder)

@@ -36,7 +36,3 @@ class ByteTokenizer(BaseTokenizer):
         tok = byte_level_bpe({bytes([b]): b for b in range(256)}, {ENDOFTEXT: self.eot_id})
         tok.decoder = tk.decoders.Sequence([tk.decoders.Replace(ENDOFTEXT, ""), tok.decoder])
         return Pipeline(tok, split_special_tokens=True)
-
-
-def load(folder, meta: dict) -> ByteTokenizer:
-    return ByteTokenizer()

@@ -1,8 +1,6 @@
-"""What every tokenizer kind shares: the interface (``encode``, ``encode_batch``, ``decode``, ``vocab_size``,
-``eot_id``, ``bos_id``, ``pad_id``, ``name``, ``token_byte_lengths``, ``hf_files`` for an export), saving into a
-run folder with its ``tokenizer_meta.json`` (vocabulary size, special ids, fingerprint) and the fingerprint
-itself: the sha256 of the kind, the tokenizer's files and the settings that are not in them (a tiktoken split
-pattern)."""
+"""What every tokenizer kind shares: the interface (``BaseTokenizer``), saving into a run folder with its
+``tokenizer_meta.json`` (vocabulary size, special ids, fingerprint) and the fingerprint itself: the sha256 of the
+kind, the tokenizer's files and the settings that are not in them (a tiktoken split pattern)."""
 
 from __future__ import annotations
 
@@ -42,7 +40,7 @@ def file_hash(data: bytes) -> str:
 class BaseTokenizer:
     """The interface. Subclasses set ``kind``, ``name``, ``vocab_size``, ``eot_id`` (and ``bos_id`` /
     ``pad_id`` when they have them) and implement ``encode``, ``decode``, ``token_byte_lengths`` and
-    ``files`` (file name -> bytes, what ``save`` writes and ``load`` reads back)."""
+    ``files`` (file name -> bytes, what ``save`` writes and ``load_tokenizer`` reads back)."""
 
     kind = ""
     name = ""
@@ -90,11 +88,6 @@ class BaseTokenizer:
                 "settings": self.settings(), **self.special_ids()}
         return file_hash(json.dumps(desc, sort_keys=True).encode())
 
-    def meta(self, **extra) -> dict:
-        return {"kind": self.kind, "name": self.name, "vocab_size": int(self.vocab_size), **self.special_ids(),
-                "fingerprint": self.fingerprint(), "files": sorted(self.files()), "settings": self.settings(),
-                **extra}
-
     def describe(self) -> str:
         ids = ", ".join(f"{k[:-3]} {v}" for k, v in self.special_ids().items() if v is not None)
         return f"{self.kind} tokenizer {self.name!r} (vocabulary {self.vocab_size:,}; {ids})"
@@ -108,7 +101,9 @@ class BaseTokenizer:
         tmp.mkdir(parents=True)
         for name, data in self.files().items():
             (tmp / name).write_bytes(data)
-        (tmp / META).write_text(json.dumps(self.meta(**extra), indent=2) + "\n")
+        meta = {"kind": self.kind, "name": self.name, "vocab_size": int(self.vocab_size), **self.special_ids(),
+                "fingerprint": self.fingerprint(), "files": sorted(self.files()), "settings": self.settings(), **extra}
+        (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
         if replace and folder.exists():
             old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
             shutil.rmtree(old, ignore_errors=True)

@@ -123,7 +123,3 @@ class HFTokenizer(BaseTokenizer):
         model = json.loads(self._files["tokenizer.json"]).get("model", {})
         unk = model.get("unk_token") or (tok.id_to_token(model["unk_id"]) if model.get("unk_id") is not None else None)
         return Pipeline(tok, unk_token=unk)
-
-
-def load(folder: Path, meta: dict) -> HFTokenizer:
-    return HFTokenizer(folder / "tokenizer.json", name=meta["name"])

@@ -7,14 +7,12 @@ the end-of-text id that separated the training documents). Each kind describes i
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 WHAT = "a Hugging Face tokenizer export"
 
 
-@dataclass
-class Pipeline:
+class Pipeline(NamedTuple):
     """A tokenizer as a ``tokenizers.Tokenizer`` (what tokenizer.json holds) and the settings of
     tokenizer_config.json that are not in it."""
 

@@ -65,10 +65,6 @@ class SentencePieceTokenizer(BaseTokenizer):
         return sentencepiece_hf.pipeline(self._bytes, self._file)
 
 
-def load(folder: Path, meta: dict) -> SentencePieceTokenizer:
-    return SentencePieceTokenizer(folder / meta["files"][0], name=meta["name"])
-
-
 def train_bpe(texts: Iterable[str], vocab_size: int, model_path: Path) -> None:
     """Train a byte-fallback BPE model on ``texts`` and write it to ``model_path`` atomically."""
     spm = require("sentencepiece", "the builtin tokenizer")

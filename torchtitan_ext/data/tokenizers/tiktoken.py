@@ -110,9 +110,3 @@ class TiktokenTokenizer(BaseTokenizer):
         """The ranks as a byte-level BPE with the same split pattern; special tokens in the text are text, as
         ``encode_ordinary`` reads them."""
         return Pipeline(byte_level_bpe(self.ranks, self.special_tokens, self.pattern), split_special_tokens=True)
-
-
-def load(folder: Path, meta: dict) -> TiktokenTokenizer:
-    s = meta["settings"]
-    return TiktokenTokenizer(folder / meta["files"][0], s["encoding"], meta["name"], s["pattern"],
-                             s["special_tokens"])
