@@ -42,11 +42,9 @@ class DataBundle(NamedTuple):
 
 def build_tokenizer(data: DataSection, dump_folder: str | None = None, save: bool = False,
                     resume: bool = True) -> BaseTokenizer | PretokenizedVocab:
-    """``data.tokenizer``: byte, builtin (trained on the corpus, cached), a Hugging Face tokenizer.json (or its
-    folder), a tiktoken ``.tiktoken`` file, a SentencePiece model, a saved tokenizer folder (see
-    ``data/tokenizers``), or none (pretokenized shards; the vocabulary comes from model.vocab_size).
-    ``dump_folder``: the run's, whose ``tokenizer/`` copy is used, checked against (``resume``), or (``save``)
-    written (``data/tokenizers.run_tokenizer``)."""
+    """The tokenizer ``data.tokenizer`` names (``data/tokenizers``); for none (pretokenized shards) a stand-in
+    whose vocabulary comes from model.vocab_size. ``dump_folder``: the run's, whose ``tokenizer/`` copy is used, checked
+    against (``resume``), or (``save``) written (``data/tokenizers.run_tokenizer``)."""
     if data.tokenizer == "none":
         if data.dataset == "builtin":
             raise ConfigError("data.tokenizer = 'none' needs data.dataset = 'shards' (the built-in corpus is "

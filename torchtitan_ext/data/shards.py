@@ -122,9 +122,7 @@ def scan_shards(paths: list[Path], vocab_limit: int, cache_dir: str | os.PathLik
 
 
 def loader_shards(loader: object) -> list[Path]:
-    """The shard files behind a loader, a mixture of domain loaders, or a dict of them."""
-    if loader is None:
-        return []
+    """The shard files behind a loader (none for None), a mixture of domain loaders, or a dict of them."""
     if isinstance(loader, dict):
         return [p for v in loader.values() for p in loader_shards(v)]
     if hasattr(loader, "sources"):
