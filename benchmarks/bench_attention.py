@@ -15,17 +15,17 @@ import time
 import torch
 import torch.nn.functional as F
 
-from torchtitan_ext.models.decoder import Attention, Decoder
+from torchtitan_ext.models.args import PLAIN, ComputeOptions
+from torchtitan_ext.models.decoder import Decoder
 from torchtitan_ext.models.flavors import get_flavor
 from torchtitan_ext.ops.attention import attention, build_mask
 from torchtitan_ext.ops.visibility import causal_visibility, document_visibility, tree_visibility
-from torchtitan_ext.ops.zreg import VirtualLoss
 
 
-def build(args, dev: torch.device, dtype: torch.dtype) -> Decoder:
+def build(args, dev: torch.device, dtype: torch.dtype, options: ComputeOptions = PLAIN) -> Decoder:
     """The model on ``dev`` with random weights (norms one), built on the meta device as the trainer does."""
     with torch.device("meta"):
-        model = Decoder(args)
+        model = Decoder(args, options)
     model.to_empty(device=dev)
     model.init_buffers(dev)
     with torch.no_grad():
@@ -60,13 +60,10 @@ def check() -> None:
               + " ".join(f"d{n} {rel(g, r.grad):.2e}" for n, g, r in zip("qkv", g_flex, (qd, kd, vd), strict=True)))
     # A compiled block with a BlockMask argument and Z-reg on.
     args = dataclasses.replace(get_flavor("debug"), vocab_size=256, max_seq_len=t)
-    model = build(args, dev, torch.float32)
+    model = build(args, dev, torch.float32, ComputeOptions(attention_z_reg=1e-2))
+    model.set_loss_scales(aux=1.0, virtual=1.0)
     for name, block in list(model.layers.items()):
         model.layers[name] = torch.compile(block, fullgraph=True)
-    for m in model.modules():
-        if isinstance(m, Attention):
-            m.z_reg = 1e-2
-    VirtualLoss.scale = 1.0
     tokens = torch.randint(0, 256, (b, t), device=dev)
     vis = tuple(x.to(dev) for x in document_visibility([300, 400, 324]))
     vis = (vis[0].expand(b, t).contiguous(), vis[1].expand(b, t).contiguous())
