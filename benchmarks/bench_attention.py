@@ -15,8 +15,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from torchtitan_ext.models.args import PLAIN, ComputeOptions
-from torchtitan_ext.models.decoder import Decoder
+from torchtitan_ext.models.args import ComputeOptions
+from torchtitan_ext.models.decoder import PLAIN, Decoder
 from torchtitan_ext.models.flavors import get_flavor
 from torchtitan_ext.ops.attention import attention, build_mask
 from torchtitan_ext.ops.visibility import causal_visibility, document_visibility, tree_visibility
