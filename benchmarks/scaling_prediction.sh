@@ -28,6 +28,8 @@
 #   MUP_BASE: a width (e.g. 256): every run in muP (model.parametrization = mup, mup_base_dim MUP_BASE) at the
 #         learning rate muP transferred between widths 256 and 1024 (2^-8; the same for every width, muP
 #         scales it per parameter group) instead of the standard-parametrization rule above.
+#   LR_SCALE (1): multiplies every run's learning rate (either rule above), to check how far a run sits from
+#         its best learning rate.
 #   Before anything trains, benchmarks/scaling_check_cap.py checks that every small run (RUNS and SMALL) uses
 #   at most 1/10 of the target's compute.
 set -uo pipefail
@@ -47,6 +49,8 @@ TARGET="${TARGET:-320:100e6}"
 PREDICT_ONLY="${PREDICT_ONLY:-0}"
 MUP_BASE="${MUP_BASE:-}"
 [[ -z "$MUP_BASE" || "$MUP_BASE" =~ ^[1-9][0-9]*$ ]] || { echo "MUP_BASE=$MUP_BASE: expected a width (a whole number)"; exit 1; }
+LR_SCALE="${LR_SCALE:-1}"
+[[ "$LR_SCALE" =~ ^[0-9]*\.?[0-9]+$ && ! "$LR_SCALE" =~ ^[0.]+$ ]] || { echo "LR_SCALE=$LR_SCALE: expected a positive number"; exit 1; }
 [ -z "$RUNS" ] || [ -f "$RUNS" ] || { echo "RUNS=$RUNS: no such runs.csv"; exit 1; }
 [ -f "$CORPUS/tokenizer.model" ] || { echo "no corpus in $CORPUS: run benchmarks/make_corpus.py and carry it"; exit 1; }
 COMMON=(--data.dataset shards --data.train_path "$CORPUS/train_*.bin" --data.val_path "$CORPUS/val_*.bin"
@@ -62,7 +66,7 @@ tokens() { python3 -c "import sys; print(*(int(float(t) * $SCALE) for t in sys.a
 sweep() {  # sweep NAME WIDTH PARALLEL TOKENS...: one width's runs at its learning rate
     local name=$1 width=$2 parallel=$3; shift 3
     local lr
-    lr=$(python3 -c "print(2 ** -8 * (256 / $width if '$MUP_BASE' == '' else 1))")
+    lr=$(python3 -c "print($LR_SCALE * 2 ** -8 * (256 / $width if '$MUP_BASE' == '' else 1))")
     # shellcheck disable=SC2046
     python3 -m torchtitan_ext.scaling sweep --config train_configs/debug.toml --widths "$width" \
         --tokens $(tokens "$@") --parallel "$parallel" --out "$OUT/$name" -- "${COMMON[@]}" --optimizer.lr "$lr" \
