@@ -42,15 +42,24 @@ class HeuristicRules:
     repeat_n: int = 3
 
 
+def symbol_ratio(words: list[str], text: str) -> float:
+    return (text.count("#") + text.count("...") + text.count("\u2026")) / max(1, len(words))
+
+
+def repeat_ratio(words: list[str], n: int) -> float:
+    """Fraction of the word n-grams that repeat an earlier n-gram of the same document."""
+    grams = [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
+    return (len(grams) - len(set(grams))) / len(grams) if grams else 0.0
+
+
 def heuristic_reason(text: str, n_tokens: int, rules: HeuristicRules) -> str | None:
     """Why the document fails the heuristics ("tokens", "symbols", "repetition"), or None."""
     if not rules.min_tokens <= n_tokens <= rules.max_tokens:
         return "tokens"
     words = _WORD.findall(text)
-    if (text.count("#") + text.count("...") + text.count("\u2026")) / max(1, len(words)) > rules.max_symbol_ratio:
+    if symbol_ratio(words, text) > rules.max_symbol_ratio:
         return "symbols"
-    grams = [tuple(words[i:i + rules.repeat_n]) for i in range(len(words) - rules.repeat_n + 1)]
-    if ((len(grams) - len(set(grams))) / len(grams) if grams else 0.0) > rules.max_repeat_ratio:
+    if repeat_ratio(words, rules.repeat_n) > rules.max_repeat_ratio:
         return "repetition"
     return None
 

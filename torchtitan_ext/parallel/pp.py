@@ -9,6 +9,7 @@ ZBV gives it r and 2 pp - 1 - r (a "V"), so rank 0 holds both the first and the 
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -48,9 +49,10 @@ def layer_ranges(n_layers: int, n_stages: int, split_points: list[str]) -> list[
     elif n_layers < n_stages:
         raise ConfigError(f"model has {n_layers} layers, fewer than the {n_stages} pipeline stages asked for "
                           "(parallelism.pp x pp_virtual_stages)")
-    else:  # stages 1..extra take one layer more than base
+    else:
         base, extra = divmod(n_layers, n_stages)
-        bounds = [i * base + min(max(i - 1, 0), extra) for i in range(n_stages + 1)]
+        sizes = [base + (1 if 0 < i <= extra else 0) for i in range(n_stages)]
+        bounds = list(itertools.accumulate(sizes, initial=0))
     return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
 
 

@@ -74,13 +74,15 @@ class Trainer:
     def __init__(self, cfg: JobConfig, run: BuiltRun | None = None):
         run = run if run is not None else build_run(cfg)
         self.cfg, self.run = cfg, run
-        self.device, self.rank, self.dims = run.runtime
+        self.device, self.rank, self.dims = run.runtime.device, run.runtime.rank, run.runtime.dims
         self.batches = run.batches
         self.accum_steps, self.global_batch_size = run.batches.accum_steps, run.batches.global_batch_size
         self.tokenizer, self.loader, self.val_loader = run.tokenizer, run.data.loader, run.data.val_loader
         self.model_args, self.model_parts = run.model.args, run.model.parts
         self.loss_parallel = run.model.loss_parallel
-        self.optimizers, self.spike_guard, self.nonfinite, self.ema, self.compression, self.comm_stats = run.training
+        tr = run.training
+        self.optimizers, self.spike_guard, self.nonfinite = tr.optimizers, tr.spike_guard, tr.nonfinite
+        self.ema, self.compression, self.comm_stats = tr.ema, tr.compression, tr.comm_stats
         self.profiling = Profiling(cfg.profiling, cfg.job.dump_folder, self.rank, self.device, log.info)
         self.token_bytes = token_bytes(self.tokenizer, self.model_args.vocab_size)  # for val_bpb
         self.token_bytes = self.token_bytes.to(self.device) if self.token_bytes is not None else None

@@ -119,12 +119,16 @@ class MixingLoader:
 
     def next_batch(self) -> Batch:
         assign = self.assignment(self.position)
+        # the k-th slot of a domain in this batch -> that domain's (consumed + k)-th window
+        rank_in_domain = np.zeros(len(assign), dtype=np.int64)
+        seen = np.zeros(len(self.domains), dtype=np.int64)
+        for j, d in enumerate(assign):
+            rank_in_domain[j] = seen[d]
+            seen[d] += 1
         lo = self.dp_rank * self.local_batch_size
         doms = [int(d) for d in assign[lo:lo + self.local_batch_size]]
-        # the k-th slot of a domain in this batch -> that domain's (consumed + k)-th window
-        rows = [self.sources[d]._window(int(self.consumed[d]) + int(np.count_nonzero(assign[:lo + j] == d)))[0]
-                for j, d in enumerate(doms)]
-        self.consumed += np.bincount(assign, minlength=len(self.domains))
+        rows = [self.sources[d]._window(int(self.consumed[d] + rank_in_domain[lo + j]))[0] for j, d in enumerate(doms)]
+        self.consumed += seen
         self.position += 1
         return rows_to_batch(rows, doms, self.vocab_limit, lambda d: f"data.domains {self.names[d]!r}")
 
