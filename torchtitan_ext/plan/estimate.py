@@ -119,10 +119,18 @@ def _param_groups(args: ModelArgs) -> dict[str, int]:
         model = Decoder(args)
     groups = {"embedding": 0, "head": 0, "norms": 0, "matrices": 0, "experts": 0, "routers": 0}
     for name, p in model.named_parameters():
-        group = ("embedding" if name.startswith("tok_embeddings") else "head" if name.startswith("output")
-                 else "norms" if p.ndim < 2 else "experts" if ".experts." in name
-                 else "routers" if ".router." in name else "matrices")
-        groups[group] += p.numel()
+        if name.startswith("tok_embeddings"):
+            groups["embedding"] += p.numel()
+        elif name.startswith("output"):
+            groups["head"] += p.numel()
+        elif p.ndim < 2:
+            groups["norms"] += p.numel()
+        elif ".experts." in name:
+            groups["experts"] += p.numel()
+        elif ".router." in name:
+            groups["routers"] += p.numel()
+        else:
+            groups["matrices"] += p.numel()
     return groups
 
 
