@@ -8,7 +8,11 @@
 #     "bf16 tensorwise blockwise" (any float8.recipe)
 # Usage from the repository root:  benchmarks/profile_float8.sh [OVERRIDES...]
 set -uo pipefail
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then  # the header above, without the #s
+    sed -n '2,/^set -uo pipefail/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0
+fi
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+[[ "${TOP_KERNELS:-30}" =~ ^[1-9][0-9]*$ ]] || { echo "error: TOP_KERNELS='$TOP_KERNELS': expected a whole number >= 1" >&2; exit 2; }
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOP_KERNELS="${TOP_KERNELS:-30}"
 case "${SHAPE:-mode}" in
     mode) ARGS=(--config train_configs/mode_debug.toml --parallelism.ep 1 --parallelism.dp_shard 1

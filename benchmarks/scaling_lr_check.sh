@@ -6,7 +6,13 @@
 # Usage on the GPU machine, from the repository root:  benchmarks/scaling_lr_check.sh [OUT_DIR [-- overrides]]
 #   env CORPUS (as scaling_prediction.sh), SCALES ("0.5 1 2"), SMALL ("128:1:16e6 448:1:13.2e6"), SCALE (1)
 set -uo pipefail
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then  # the header above, without the #s
+    sed -n '2,/^set -uo pipefail/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0
+fi
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+for s in ${SCALES:-0.5 1 2}; do
+    [[ "$s" =~ ^[0-9]*\.?[0-9]+$ && ! "$s" =~ ^[0.]+$ ]] || { echo "error: SCALES: '$s' is not a positive number" >&2; exit 2; }
+done
 OUT="${1:-/tmp/scaling_lr_check}"
 shift $(( $# > 0 ? 1 : 0 ))
 mkdir -p "$OUT"
