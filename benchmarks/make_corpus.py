@@ -1,7 +1,8 @@
 """A benchmark corpus made on this machine and carried to the GPU machine (which has no network): the text
 found here (Python sources: the standard library, the system's and this environment's packages; Debian's
-package documentation: changelogs, copyright files, READMEs), deduplicated exactly, split into train and
-validation by document (a hash of the path: about 2%), tokenized by a SentencePiece BPE trained on the
+package documentation: changelogs, copyright files, READMEs), deduplicated exactly (and, with
+``--near-dup F``, without documents of which more than a fraction F of the 5-line passages came earlier), split
+into train and validation by document (a hash of the path: about 2%), tokenized by a SentencePiece BPE trained on the
 training documents, and written by ``python -m torchtitan_ext.data.prepare`` (train and validation in two
 runs, so no document straddles the split) as shards the trainer reads with ``data.dataset = "shards"``.
 
@@ -63,6 +64,34 @@ def _documents() -> list[tuple[str, str]]:
     return out
 
 
+def _passages(text: str, k: int = 5) -> set[int]:
+    """Hashes of every run of ``k`` consecutive non-blank lines (stripped): the unit copies share."""
+    rows = [r.strip() for r in text.splitlines() if r.strip()]
+    return {hash(tuple(rows[i:i + k])) for i in range(len(rows) - k + 1)}
+
+
+def _drop_near_duplicates(docs: list[tuple[str, str]], limit: float) -> list[tuple[str, str]]:
+    """The documents in order, without those of which more than ``limit`` of the passages appeared in a document
+    kept before (vendored copies, other versions of one module, licence texts in copyright files): copies
+    let a wide model lower its validation loss by memorising, which grows with width and data together."""
+    seen: set[int] = set()
+    kept = []
+    for path, text in docs:
+        passages = _passages(text)
+        if len(passages & seen) > limit * len(passages):
+            continue
+        seen |= passages
+        kept.append((path, text))
+    return kept
+
+
+def _covered(val: list[str], train: list[str]) -> float:
+    """The fraction of the validation passages that also occur in the training documents."""
+    train_passages = set().union(*map(_passages, train))
+    val_passages = [p for text in val for p in _passages(text)]
+    return sum(p in train_passages for p in val_passages) / max(1, len(val_passages))
+
+
 def _training_sample(texts: list[str], budget: int = 40 << 20) -> list[str]:
     """Up to ``budget`` characters of 24-line ASCII pieces for SentencePiece's trainer: every character of its
     sample needs a piece of its own, so a few names in other scripts would not fit a small vocabulary;
@@ -113,15 +142,21 @@ def main() -> None:
     parser.add_argument("--val-tokens", type=float, default=1e6, help="about this many validation tokens")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--near-dup", type=float, default=1.0,
+                        help="drop documents of which more than this fraction of 5-line passages came earlier "
+                             "(1: exact duplicates only)")
     opts = parser.parse_args()
     if opts.vocab < 260 or opts.workers < 1 or not all(
-            math.isfinite(t) and t > 0 for t in (opts.train_tokens, opts.val_tokens)):
-        parser.error("expected --vocab >= 260 (bytes and specials), positive --train-tokens / --val-tokens and "
-                     "--workers >= 1")
+            math.isfinite(t) and t > 0 for t in (opts.train_tokens, opts.val_tokens)) or not 0 <= opts.near_dup <= 1:
+        parser.error("expected --vocab >= 260 (bytes and specials), positive --train-tokens / --val-tokens, "
+                     "--workers >= 1 and --near-dup in [0, 1]")
     out = opts.out
     out.mkdir(parents=True, exist_ok=True)
     docs = _documents()
     random.Random(opts.seed).shuffle(docs)  # code and prose mixed along the shards
+    found = len(docs)
+    if opts.near_dup < 1:
+        docs = _drop_near_duplicates(docs, opts.near_dup)
     val = [t for p, t in docs if zlib.crc32(p.encode()) % 50 == 0]
     train = [t for p, t in docs if zlib.crc32(p.encode()) % 50 != 0]
     model = out / "tokenizer.model"
@@ -143,7 +178,9 @@ def main() -> None:
         for shard in sorted((out / split).glob(f"{split}_*.bin")):  # beside the tokenizer: OUT/train_*.bin
             tokens[split] += len(read_shard(shard))
             shard.replace(out / shard.name)
-    info = {"documents": {"train": len(kept), "val": len(val)}, "train_text_bytes": size,
+    info = {"documents": {"found": found, "after_near_dup": len(docs), "train": len(kept), "val": len(val)},
+            "near_dup": opts.near_dup, "val_passages_in_train": round(_covered(val, kept), 4),
+            "train_text_bytes": size,
             "bytes_per_token": round(bytes_per_token, 3), "vocab": opts.vocab, "tokens": tokens,
             "sources": [str(r) for r in _python_roots()] + ["/usr/share/doc"]}
     (out / "corpus.json").write_text(json.dumps(info, indent=1))
