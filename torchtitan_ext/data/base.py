@@ -129,9 +129,9 @@ class LoaderContext:
         return getattr(self.tokenizer, "eot_id", 0)
 
     def window_args(self) -> dict:
-        """The positional geometry every shard loader takes (seq_len ... seed) as keywords."""
+        """The keywords every shard loader takes from the context: its geometry (seq_len ... seed), vocab_limit."""
         return dict(seq_len=self.seq_len, local_batch_size=self.local_batch_size, dp_rank=self.dp_rank,
-                    dp_world_size=self.dp_world_size, seed=self.seed)
+                    dp_world_size=self.dp_world_size, seed=self.seed, vocab_limit=self.vocab_limit)
 
 
 def require_static_mixing(data) -> None:

@@ -91,5 +91,4 @@ class PackedDataLoader(PositionState):
 def build(files: list[Path], ctx: LoaderContext, shuffle: bool, sidecars=None, documents=None) -> PackedDataLoader:
     """The training loader; ``sidecars`` and ``documents`` do not apply to packed windows (distillation
     refuses a loader without sidecars; the trainer derives document visibility from the inputs)."""
-    return PackedDataLoader(files, shuffle=shuffle, eot_id=ctx.eot_id, vocab_limit=ctx.vocab_limit,
-                            **ctx.window_args())
+    return PackedDataLoader(files, shuffle=shuffle, eot_id=ctx.eot_id, **ctx.window_args())

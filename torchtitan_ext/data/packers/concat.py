@@ -62,5 +62,4 @@ class TokenDataLoader(PositionState):
 
 def build(files: list[Path], ctx: LoaderContext, shuffle: bool, sidecars: Callable | None = None,
           documents: Documents | None = None) -> TokenDataLoader:
-    return TokenDataLoader(files, shuffle=shuffle, vocab_limit=ctx.vocab_limit, documents=documents,
-                           sidecars=sidecars, **ctx.window_args())
+    return TokenDataLoader(files, shuffle=shuffle, documents=documents, sidecars=sidecars, **ctx.window_args())

@@ -93,7 +93,7 @@ def build(data, ctx: LoaderContext):
     if getattr(ctx.tokenizer, "eot_id", None) is None:
         raise ConfigError("data.dataset = 'chat' needs a tokenizer with an end-of-text token")
     template = ChatTemplate(getattr(ctx.tokenizer, "chat_template", None))
-    args = dict(tokenizer=ctx.tokenizer, template=template, vocab_limit=ctx.vocab_limit, **ctx.window_args())
+    args = dict(tokenizer=ctx.tokenizer, template=template, **ctx.window_args())
     train = ChatLoader(_files(data.train_path, "data.train_path"), shuffle=ctx.shuffle, **args)
     val = ChatLoader(_files(data.val_path, "data.val_path"), shuffle=False, **args) if data.val_path else None
     return train, val

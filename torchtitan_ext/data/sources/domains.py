@@ -86,10 +86,8 @@ def adaptive_update(weights: np.ndarray, losses: np.ndarray, eta: float, floor: 
     population standard deviation. Equal losses leave the weights unchanged."""
     losses = np.asarray(losses, dtype=np.float64)
     std = losses.std()
-    if not std > 0:
-        return project(weights, floor, cap)
-    return project(np.asarray(weights, dtype=np.float64) * np.exp(eta * (losses - losses.mean()) / std),
-                   floor, cap)
+    factor = np.exp(eta * (losses - losses.mean()) / std) if std > 0 else 1.0
+    return project(np.asarray(weights, dtype=np.float64) * factor, floor, cap)
 
 
 class MixingLoader:
@@ -140,10 +138,6 @@ class MixingLoader:
         """Apply the adaptive update from per-domain validation losses (no-op for static mixing)."""
         if self.mode != "adaptive":
             return
-        missing = [n for n in self.names if n not in val_losses]
-        if missing:
-            raise ConfigError(f"data.mixing = 'adaptive' needs a validation split for every domain; "
-                              f"{missing[0]!r} has none (data.domains val)")
         losses = np.array([val_losses[n] for n in self.names])
         self.weights = adaptive_update(self.weights, losses, self.rate, self.floor, self.cap)
 
@@ -176,7 +170,7 @@ def build(data, ctx: LoaderContext) -> tuple[MixingLoader, dict[str, TokenDataLo
                           ctx.shuffle, data.mixing, data.mixing_rate, data.mixing_floor, data.mixing_cap,
                           _domain_stream(ctx), vocab_limit=ctx.vocab_limit)
     val = {d.name: TokenDataLoader(list_shards(d.val, f"data.domains[{i}].val ({d.name})"), shuffle=False,
-                                   vocab_limit=ctx.vocab_limit, **ctx.window_args())
+                                   **ctx.window_args())
            for i, d in enumerate(parsed) if d.val}
     if data.mixing == "adaptive" and len(val) != len(parsed):
         missing = next(d.name for d in parsed if d.name not in val)

@@ -16,8 +16,7 @@ def stream_loaders(train_files: list[Path], val_files: list[Path], ctx: LoaderCo
                    ) -> tuple[Loader, TokenDataLoader | None]:
     """(training loader by ``ctx.packer``, given the sidecars and documents; validation windows in order)."""
     loader = ctx.packer(train_files, ctx, ctx.shuffle, sidecars=ctx.sidecars, documents=ctx.documents)
-    val = TokenDataLoader(val_files, shuffle=False, vocab_limit=ctx.vocab_limit, documents=ctx.documents,
-                          **ctx.window_args()) if val_files else None
+    val = TokenDataLoader(val_files, shuffle=False, documents=ctx.documents, **ctx.window_args()) if val_files else None
     return loader, val
 
 

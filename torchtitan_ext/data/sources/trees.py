@@ -214,7 +214,6 @@ def build(data, ctx: LoaderContext) -> tuple[TreeDataLoader, TreeDataLoader | No
                           "data.packing = 'concat' and no data.domains")
     require_static_mixing(data)
     train_files, val_files = shard_files(data)
-    common = dict(eot_id=ctx.eot_id, position_reset=data.position_reset, vocab_limit=ctx.vocab_limit,
-                  **ctx.window_args())
+    common = dict(eot_id=ctx.eot_id, position_reset=data.position_reset, **ctx.window_args())
     loader = TreeDataLoader(train_files, shuffle=ctx.shuffle, **common)
     return loader, (TreeDataLoader(val_files, shuffle=False, **common) if val_files else None)
