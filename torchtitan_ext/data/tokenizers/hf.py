@@ -38,10 +38,8 @@ class HFTokenizer(BaseTokenizer):
     def __init__(self, json_path: str | Path, name: str | None = None):
         tokenizers = require("tokenizers", "a Hugging Face tokenizer.json")
         json_path = Path(json_path)
-        self._files = {"tokenizer.json": json_path.read_bytes()}
-        for extra in CONFIG_FILES:
-            if (json_path.parent / extra).is_file():
-                self._files[extra] = (json_path.parent / extra).read_bytes()
+        self._files = {"tokenizer.json": json_path.read_bytes(), **{extra: (json_path.parent / extra).read_bytes()
+                       for extra in CONFIG_FILES if (json_path.parent / extra).is_file()}}
         try:
             self.tok = tokenizers.Tokenizer.from_str(self._files["tokenizer.json"].decode("utf-8"))
             config = {}
@@ -56,9 +54,7 @@ class HFTokenizer(BaseTokenizer):
         self.vocab_size = max([self.tok.get_vocab_size(with_added_tokens=True), *(i + 1 for i in self.added)])
         ids = {key: self._token_id(config.get(f"{key}_token"), json_path, key) for key in ("bos", "eos", "pad")}
         self.bos_id, self.pad_id = ids["bos"], ids["pad"]
-        eot = ids["eos"]
-        if eot is None:
-            eot = next((self.tok.token_to_id(t) for t in EOT_NAMES if self.tok.token_to_id(t) is not None), None)
+        eot = next((i for i in (ids["eos"], *map(self.tok.token_to_id, EOT_NAMES)) if i is not None), None)
         if eot is None:
             raise TokenizerError(f"{json_path}: no end-of-text token (give tokenizer_config.json an eos_token, or "
                                  f"add one of {', '.join(EOT_NAMES)})")

@@ -54,11 +54,8 @@ def _fields(buf: bytes) -> Iterator[tuple[int, int | bytes]]:
         wire = key & 7
         if wire == 0:
             value, i = _varint(buf, i)
-        elif wire == 2:
-            n, i = _varint(buf, i)
-            value, i = buf[i:i + n], i + n
-        elif wire in (1, 5):
-            n = 8 if wire == 1 else 4
+        elif wire in (1, 2, 5):  # 64-bit, length-delimited, 32-bit
+            n, i = _varint(buf, i) if wire == 2 else (8 if wire == 1 else 4, i)
             value, i = buf[i:i + n], i + n
         else:
             raise ValueError(f"protobuf wire type {wire}")
@@ -120,8 +117,7 @@ def _normalizer(tk, m: Model):
         steps += [n.Replace(tk.Regex(r"\A +| +\z"), ""), n.Replace(tk.Regex(" {2,}"), " ")]
     steps.append(n.Replace(" ", SPACE))
     prefix = SPACE if m.dummy_prefix else ""
-    if m.dummy_prefix:
-        steps.append(n.Prepend(SPACE))
+    steps += [n.Prepend(SPACE)] if m.dummy_prefix else []
     steps += [n.Replace(tk.Regex(rf"\A{re.escape(prefix + p)}\z"), p if t == USER_DEFINED else f" {p}")
               for p, _, t in m.pieces if t in SPECIAL]
     return n.Sequence(steps)
