@@ -95,8 +95,7 @@ def build(output: Path, tokenizer: str, vocab_size: int, cache_dir: Path, max_mb
             if budget <= 0:
                 break
         if not parts["val"]:  # a tiny source: its last document validates
-            parts["val"] = parts["train"][-2:]
-            parts["train"] = parts["train"][:-2]
+            parts["train"], parts["val"] = parts["train"][:-2], parts["train"][-2:]
         folder = output / tok.name / name
         folder.mkdir(parents=True, exist_ok=True)
         entry = {"documents": docs}
