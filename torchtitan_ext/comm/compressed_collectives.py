@@ -21,9 +21,8 @@ reduction in float32 after decoding, so no low-precision arithmetic happens on t
 Error feedback (optional): the residual ``input - decode(encode(input))`` of a rank's own encoding is kept
 in float32 and added to the next step's gradient before encoding, so compression error does not
 accumulate as a bias over steps. A non-finite residual entry is reset to zero: the step that produced it
-is skipped by the trainer's guard and must not poison later steps. The residuals are rank-local;
-:meth:`GradientCompression.residual_state` names them (parameter FQN for the all-reduces, FSDP module FQN
-for the reduce-scatters) so the checkpoint manager can save and restore each rank's own.
+is skipped by the trainer's guard and must not poison later steps. The residuals are rank-local; the
+checkpoint saves each rank's own (:meth:`GradientCompression.residual_state`).
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations against the real types.
@@ -224,11 +223,9 @@ def _squinch_ddp_hook(state: _AllReduceState, bucket: dist.GradBucket) -> torch.
 
 
 class SquinchReplicateAllReduce:
-    """HSDP with Squinch on both dimensions: FSDP2 shards over ``dp_shard`` only (its reduce-scatter goes
-    through :class:`SquinchReduceScatter`), and after the backward pass this averages every gradient shard
-    over the ``dp_replicate`` group in Squinch bytes, as the DDP hook does for a bucket. FSDP2 has no hook to
-    replace its own replicate all-reduce, so the model must not be laid out as native HSDP. Replicas decode
-    the same gathered bytes, so their gradients, and thus their parameters, stay identical."""
+    """HSDP's replicate all-reduce in Squinch bytes (see the module docstring): after the backward pass, every
+    gradient shard averaged over ``group`` as the DDP hook does for a bucket. Replicas decode the same gathered
+    bytes, so their gradients, and thus their parameters, stay identical."""
 
     def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, *, min_numel: int,
                  error_feedback: bool, stats: CommStats) -> None:
@@ -275,6 +272,7 @@ def _apply_reduce_op(total: torch.Tensor, op: object, world: int) -> torch.Tenso
     raise ValueError(f"Squinch reduce-scatter supports SUM, AVG and PREMUL_SUM reduce ops, got {op}")
 
 
+@dataclass(eq=False)
 class SquinchReduceScatter(_ReduceScatterBase):
     """FSDP2 custom reduce-scatter sending Squinch bytes through an all-to-all.
 
@@ -287,11 +285,10 @@ class SquinchReduceScatter(_ReduceScatterBase):
     the output is ready (stream-ordered) when the call returns, which returns ``None``.
     """
 
-    def __init__(self, min_numel: int, error_feedback: bool, stats: CommStats) -> None:
-        self.min_numel = min_numel
-        self.error_feedback = error_feedback
-        self.stats = stats
-        self.residual: torch.Tensor | None = None
+    min_numel: int
+    error_feedback: bool
+    stats: CommStats
+    residual: torch.Tensor | None = None
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(size, dtype=dtype, device=device)
@@ -314,12 +311,6 @@ class SquinchReduceScatter(_ReduceScatterBase):
         return None
 
 
-def _is_hsdp(module: nn.Module) -> bool:
-    """FSDP2 places HSDP parameters as (Replicate, Shard, ...) on its (replicate, shard) mesh."""
-    return any(isinstance(p, DTensor) and p.device_mesh.ndim >= 2 and isinstance(p.placements[0], Replicate)
-               for p in module.parameters(recurse=False))
-
-
 def apply_squinch_fsdp(model: nn.Module, *, min_numel: int, error_feedback: bool,
                        stats: CommStats) -> dict[str, SquinchReduceScatter]:
     """Install a :class:`SquinchReduceScatter` on every FSDP2 module inside ``model`` (``model`` included).
@@ -338,14 +329,12 @@ def apply_squinch_fsdp(model: nn.Module, *, min_numel: int, error_feedback: bool
     installed = {name: SquinchReduceScatter(min_numel, error_feedback, stats) for name in modules}
     for name, module in modules.items():
         module.set_custom_reduce_scatter(installed[name])
-    if any(_is_hsdp(m) for m in modules.values()):
+    # FSDP2 places HSDP parameters as (Replicate, Shard, ...) on its (replicate, shard) mesh.
+    if any(isinstance(p, DTensor) and p.device_mesh.ndim >= 2 and isinstance(p.placements[0], Replicate)
+           for m in modules.values() for p in m.parameters(recurse=False)):
         logger.warning("Squinch on HSDP: FSDP2 in torch %s has no custom all-reduce for the replicate "
                        "dimension, so that all-reduce stays uncompressed", torch.__version__)
     return installed
-
-
-def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().to("cpu", copy=True)
 
 
 @dataclass
@@ -370,10 +359,10 @@ class GradientCompression:
         """This rank's error-feedback residuals by name, copied to the CPU (empty before the first step)."""
         out = {}
         for prefix, state, names in self.all_reduces:
-            out.update({prefix + names[param]: _cpu_copy(r) for param, r in state.residuals.items()})
+            out.update({prefix + names[param]: r.detach().to("cpu", copy=True) for param, r in state.residuals.items()})
         for name, (reduce_scatter, _) in self.reduce_scatters.items():
             if reduce_scatter.residual is not None:
-                out[name] = _cpu_copy(reduce_scatter.residual)
+                out[name] = reduce_scatter.residual.detach().to("cpu", copy=True)
         return out
 
     def load_residual_state(self, residuals: dict[str, torch.Tensor]) -> None:
@@ -400,11 +389,6 @@ class GradientCompression:
 
 def _param_names(part: nn.Module) -> dict[torch.Tensor, str]:
     return {param: name for name, param in part.named_parameters()}
-
-
-def _device_of(module: nn.Module) -> torch.device:
-    param = next(module.parameters(), None)
-    return param.device if param is not None else torch.device("cpu")
 
 
 def replicate_all_reduce_replaced(comm, dims) -> bool:
@@ -444,8 +428,9 @@ def apply_gradient_compression(model_parts: Sequence[nn.Module], comm, dims, sta
     if dims.dp_shard > 1:  # FSDP2 skips the reduce-scatter of a one-rank shard group
         for prefix, part in zip(prefixes, model_parts, strict=True):
             for fqn, reduce_scatter in apply_squinch_fsdp(part, **options).items():
-                module = part.get_submodule(fqn)
-                compression.reduce_scatters[f"{prefix}fsdp/{fqn}"] = (reduce_scatter, _device_of(module))
+                param = next(part.get_submodule(fqn).parameters(), None)
+                device = param.device if param is not None else torch.device("cpu")
+                compression.reduce_scatters[f"{prefix}fsdp/{fqn}"] = (reduce_scatter, device)
     if replicate_all_reduce_replaced(comm, dims):
         params = [p for part in model_parts for p in part.parameters()]
         replicate = SquinchReplicateAllReduce(params, dims.submesh("dp_replicate").get_group(), **options)

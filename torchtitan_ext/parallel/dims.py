@@ -53,11 +53,9 @@ class ParallelDims:
                     f"parallelism: {' x '.join(f'{k}({v})' for k, v in fixed)} = {others}, but the world size is "
                     f"{world_size}, not a multiple of it ({rest} = -1 takes the ranks left)")
             sizes[rest] = world_size // others
-        dims = cls(sizes["dp_replicate"], sizes["dp_shard"], p.tp, p.pp, p.ep, world_size, p.dp_mode)
-        dims.validate()
-        return dims
+        return cls(sizes["dp_replicate"], sizes["dp_shard"], p.tp, p.pp, p.ep, world_size, p.dp_mode)
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         product = self.dp_replicate * self.dp_shard * self.tp * self.pp
         if product != self.world_size:
             raise ParallelDimsError(
