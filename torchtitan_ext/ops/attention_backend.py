@@ -8,13 +8,9 @@ import contextlib
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-_ORDER = {
-    "cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-              SDPBackend.MATH],
-    "flash": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
-    "efficient": [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
-    "math": [SDPBackend.MATH],
-}
+# Each backend falls back to the ones after it.
+_FALLBACKS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+_ORDER = {name: _FALLBACKS[i:] for i, name in enumerate(("cudnn", "flash", "efficient", "math"))}
 
 
 def attention_backend(name: str, device: torch.device) -> contextlib.AbstractContextManager:

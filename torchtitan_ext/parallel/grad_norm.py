@@ -43,19 +43,15 @@ def grad_norm(params: list[torch.nn.Parameter], pp_group: dist.ProcessGroup | No
 EPS = 1e-6  # added to the norm, as torch's clip_grad_norm_ does
 
 
-def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """The factor clipping multiplies gradients by (torch's rule: at most 1)."""
-    return (max_norm / (total + EPS)).clamp(max=1.0)
-
-
 def clip_divisor(total: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """The same rule as a divisor (at least 1): what fused AdamW's ``grad_scale`` divides gradients by."""
+    """``clip_grads_``'s rule as a divisor (at least 1): what fused AdamW's ``grad_scale`` divides gradients by."""
     return ((total + EPS) / max_norm).clamp(min=1.0)
 
 
 @torch.no_grad()
 def clip_grads_(params: list[torch.nn.Parameter], norm: torch.Tensor, max_norm: float) -> None:
-    """Scale the local shards of every gradient by the clipping factor of the global ``norm``."""
+    """Scale the local shards of every gradient by the clipping factor of the global ``norm`` (torch's rule: at
+    most 1)."""
     local = [g.to_local() if isinstance(g, DTensor) else g for grads in _local_grads(params).values()
              for g in grads]
-    torch._foreach_mul_(local, clip_coefficient(norm, max_norm).to(local[0].dtype))
+    torch._foreach_mul_(local, (max_norm / (norm + EPS)).clamp(max=1.0).to(local[0].dtype))
