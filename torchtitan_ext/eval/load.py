@@ -30,29 +30,19 @@ def find_checkpoint(path: str | Path, cfg: JobConfig | None = None) -> tuple[Pat
     dump, folder = (p, sub) if sub.is_dir() else (p.parent, p)
     steps = complete_steps(folder)
     want = cfg.checkpoint.load_step if cfg is not None else -1
-    if want >= 0:
-        if want not in steps:
-            raise ConfigError(f"checkpoint.load_step = {want}: no complete checkpoint {folder}/step-{want} "
-                              f"(found: {steps or 'none'})")
-        return dump, folder / f"step-{want}"
+    if want >= 0 and want not in steps:
+        raise ConfigError(f"checkpoint.load_step = {want}: no complete checkpoint {folder}/step-{want} "
+                          f"(found: {steps or 'none'})")
     if not steps:
         raise ConfigError(f"{p}: no complete checkpoint (expected a dump folder with checkpoint/step-N/)")
-    return dump, folder / f"step-{steps[-1]}"
-
-
-def run_tokenizer(cfg: JobConfig, dump: Path):
-    """The tokenizer of the run in ``dump``: its saved copy (``<dump>/tokenizer/``) when there is one, else
-    the one ``cfg.data`` names (a run from before tokenizers were saved, or ``data.tokenizer = 'none'``)."""
-    saved = dump / RUN_FOLDER
-    if cfg.data.tokenizer != "none" and read_meta(saved) is not None:
-        cfg.data.tokenizer = str(saved)
-        return load_tokenizer(saved)
-    return build_tokenizer(cfg.data)
+    return dump, folder / f"step-{want if want >= 0 else steps[-1]}"
 
 
 def trained_run(path: str | Path, cfg: JobConfig | None = None) -> tuple[Path, JobConfig, object, ModelArgs]:
     """(checkpoint folder, job config, tokenizer, model arguments) of the run in a dump or checkpoint folder:
-    the config is the run's ``config.toml`` unless given, the tokenizer the run's saved copy."""
+    the config is the run's ``config.toml`` unless given, the tokenizer the run's saved copy (``<dump>/tokenizer/``)
+    when there is one, else the one ``cfg.data`` names (a run from before tokenizers were saved, or
+    ``data.tokenizer = 'none'``)."""
     from torchtitan_ext.models.flavors import resolve_model_args
 
     dump, ckpt = find_checkpoint(path, cfg)
@@ -61,7 +51,12 @@ def trained_run(path: str | Path, cfg: JobConfig | None = None) -> tuple[Path, J
         if not toml.is_file():
             raise ConfigError(f"{dump}: no config.toml (the trainer writes it into the dump folder)")
         cfg = parse_args(["--config", str(toml)])
-    tok = run_tokenizer(cfg, dump)
+    saved = dump / RUN_FOLDER
+    if cfg.data.tokenizer != "none" and read_meta(saved) is not None:
+        cfg.data.tokenizer = str(saved)
+        tok = load_tokenizer(saved)
+    else:
+        tok = build_tokenizer(cfg.data)
     return ckpt, cfg, tok, resolve_model_args(cfg, getattr(tok, "vocab_size", 0))
 
 

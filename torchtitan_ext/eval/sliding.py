@@ -5,7 +5,7 @@ context. ``stride = seq_len`` (or 0) is the plain non-overlapping evaluation. Wi
 
 Both the standalone evaluator (``python -m torchtitan_ext.eval``, one process) and the trainer's periodic
 evaluation (``eval.stride > 0``, any data-parallel degree) score the same tokens: the first
-``eval.steps x local_batch_size x seq_len + 1`` of each validation split (``eval_tokens``)."""
+``eval.steps x local_batch_size x seq_len + 1`` of each validation split (``eval_stream``)."""
 
 from __future__ import annotations
 
@@ -38,13 +38,11 @@ def windows(n_tokens: int, seq_len: int, stride: int) -> list[tuple[int, int]]:
     return out
 
 
-def eval_tokens(steps: int, local_batch_size: int, seq_len: int) -> int | None:
-    """Tokens of each validation split that a sliding evaluation scores (None: all of them)."""
-    return steps * local_batch_size * seq_len + 1 if steps else None
-
-
-def split_stream(loader, n_tokens: int | None) -> np.ndarray:
-    """The first ``n_tokens`` of a validation loader's token stream (its shards in order; all when None)."""
+def eval_stream(loader, cfg) -> np.ndarray:
+    """The tokens of a validation loader's stream (its shards in order) that an evaluation scores: the first
+    ``eval.steps x local_batch_size x seq_len + 1``, all of them when ``eval.steps = 0``."""
+    t = cfg.training
+    n_tokens = cfg.eval.steps * t.local_batch_size * t.seq_len + 1 if cfg.eval.steps else None
     parts, have = [], 0
     for shard in loader.tokens:
         if n_tokens is not None and have >= n_tokens:
@@ -57,7 +55,7 @@ def split_stream(loader, n_tokens: int | None) -> np.ndarray:
 def check_trainer_stride(cfg, val_loader) -> None:
     """ConfigError (one line) for an ``eval.stride`` the trainer's periodic evaluation cannot honour;
     ``val_loader``: None, one loader, or a dict of them by domain."""
-    stride, t = cfg.eval.stride, cfg.training
+    stride, seq_len = cfg.eval.stride, cfg.training.seq_len
     if not stride or val_loader is None or not cfg.eval.steps:
         return
     val_loaders = val_loader if isinstance(val_loader, dict) else {"": val_loader}
@@ -66,8 +64,7 @@ def check_trainer_stride(cfg, val_loader) -> None:
                           f"data.attention = {cfg.data.attention!r}")
     for name, loader in val_loaders.items():
         try:
-            windows(len(split_stream(loader, eval_tokens(cfg.eval.steps, t.local_batch_size, t.seq_len))),
-                    t.seq_len, stride)
+            windows(len(eval_stream(loader, cfg)), seq_len, stride)
         except ValueError as e:
             raise ConfigError(f"validation split{f' {name!r}' if name else ''}: {e}") from None
 
@@ -79,8 +76,7 @@ def trainer_batches(loader, cfg, dp_rank: int, dp: int) -> Iterator[Batch]:
     if not cfg.eval.stride:
         loader.reset()  # every evaluation sees the same batches
         return (loader.next_batch() for _ in range(cfg.eval.steps))
-    tokens = split_stream(loader, eval_tokens(cfg.eval.steps, t.local_batch_size, t.seq_len))
-    return rank_batches(tokens, t.seq_len, cfg.eval.stride, t.local_batch_size, dp_rank, dp)
+    return rank_batches(eval_stream(loader, cfg), t.seq_len, cfg.eval.stride, t.local_batch_size, dp_rank, dp)
 
 
 def token_weighted_mean(losses: list[torch.Tensor], labels: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ from torchtitan_ext.config.job_config import JobConfig
 from torchtitan_ext.config.loader import ConfigError
 from torchtitan_ext.data.registry import build_loaders, build_tokenizer
 from torchtitan_ext.eval.bpb import summarize, token_bytes
-from torchtitan_ext.eval.sliding import eval_tokens, sliding_sums, split_stream
+from torchtitan_ext.eval.sliding import eval_stream, sliding_sums
 
 
 def validation_streams(cfg: JobConfig) -> dict[str, np.ndarray]:
@@ -24,8 +24,7 @@ def validation_streams(cfg: JobConfig) -> dict[str, np.ndarray]:
     if val is None:
         raise ConfigError("no validation split: set data.val_path, or val in every [[data.domains]] table")
     loaders = val if isinstance(val, dict) else {"": val}
-    limit = eval_tokens(cfg.eval.steps, t.local_batch_size, t.seq_len)
-    return {name: split_stream(loader, limit) for name, loader in loaders.items()}
+    return {name: eval_stream(loader, cfg) for name, loader in loaders.items()}
 
 
 def evaluate_model(model: torch.nn.Module, tokenizer, cfg: JobConfig,

@@ -15,7 +15,6 @@ import io
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +44,7 @@ class ScalingError(UserError):
     """Runs that cannot be read or fitted; one line naming the file, column or run."""
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Run:
     """One training run: non-embedding parameters, training tokens, final validation loss; ``source`` names
     where it came from (a CSV line, a dump folder) for messages and ``write_csv``."""
@@ -55,7 +54,7 @@ class Run:
     source: str = ""
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class ComputeOptimal:
     """The (N, D) on C = 6 N D with the lowest predicted loss."""
     flops: float
@@ -64,7 +63,7 @@ class ComputeOptimal:
     loss: float
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class ScalingLaw:
     """A fitted law; ``objective`` is the summed Huber loss of the log residuals at the optimum."""
     E: float
@@ -165,11 +164,10 @@ def read_csv(path: str | Path) -> list[Run]:
     except OSError as e:
         raise ScalingError(f"{path}: cannot read it ({e.strerror or e})") from None
     reader = csv.DictReader(io.StringIO(text))
-    header = [name.strip() for name in reader.fieldnames or []]
+    reader.fieldnames = [name.strip() for name in reader.fieldnames or []]
     for column in COLUMNS:
-        if column not in header:
+        if column not in reader.fieldnames:
             raise ScalingError(f"{path}: no column {column!r} (expected columns {', '.join(COLUMNS)})")
-    reader.fieldnames = header
     runs = []
     for row in reader:
         values = []

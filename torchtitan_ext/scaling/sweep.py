@@ -15,8 +15,8 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from torchtitan_ext.config.job_config import JobConfig
 from torchtitan_ext.models.args import ModelArgs
@@ -25,8 +25,7 @@ from torchtitan_ext.scaling import Run, ScalingError, final_validation, non_embe
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class PlannedRun:
+class PlannedRun(NamedTuple):
     """One run of the grid: its width, token budget (as asked), steps, non-embedding parameters, dump folder
     and trainer command line."""
     dim: int
