@@ -35,7 +35,7 @@ import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,14 +56,6 @@ from torchtitan_ext.errors import UserError
 RESIDUALS_DIR = "squinch_residuals"
 
 
-class RankLocalResiduals(Protocol):
-    """What the manager saves per rank (``GradientCompression``'s error-feedback residuals)."""
-
-    def residual_state(self) -> dict[str, torch.Tensor]: ...
-
-    def load_residual_state(self, residuals: dict[str, torch.Tensor]) -> None: ...
-
-
 class ModelParts:
     """The model (or this rank's pipeline stages) as one Stateful keyed by FQN."""
 
@@ -71,10 +63,7 @@ class ModelParts:
         self.parts = parts
 
     def state_dict(self) -> dict:
-        sd: dict = {}
-        for m in self.parts:
-            sd.update(get_model_state_dict(m))
-        return sd
+        return {k: v for m in self.parts for k, v in get_model_state_dict(m).items()}
 
     def load_state_dict(self, sd: dict) -> None:
         for m in self.parts:
@@ -145,11 +134,11 @@ def complete_steps(folder: Path) -> list[int]:
 
 
 class CheckpointManager:
-    """``states`` go through DCP; ``residuals`` (when given) are saved per rank under the fingerprint
-    ``layout`` (a description of the parallel layout) and restored only under an equal one."""
+    """``states`` go through DCP; ``residuals`` (when given: ``residual_state`` / ``load_residual_state``) are
+    saved per rank under the fingerprint ``layout`` (the parallel layout) and restored only under an equal one."""
 
     def __init__(self, cfg: CheckpointSection, dump_folder: str, states: dict[str, Any],
-                 residuals: RankLocalResiduals | None = None, layout: str = "",
+                 residuals: Any = None, layout: str = "",
                  log: Callable[[str], None] = print):
         self.cfg = cfg
         self.folder = Path(dump_folder) / cfg.folder
@@ -158,10 +147,10 @@ class CheckpointManager:
         self.residuals = residuals
         self.fingerprint = {"world_size": dist.get_world_size(), "rank": self.rank, "layout": layout}
         self.log = log
+        self.log_once = log if self.rank == 0 else lambda line: None  # what holds for every rank: rank 0 says it
         self.pending: tuple[Future, Path, Path] | None = None
-        self.async_group = None
-        if cfg.enabled and cfg.async_mode == "async":
-            self.async_group = dist.new_group(backend="gloo")  # host-side collectives off the training PG
+        # host-side collectives off the training PG
+        self.async_group = dist.new_group(backend="gloo") if cfg.enabled and cfg.async_mode == "async" else None
         if cfg.enabled and self.rank == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
             for stale in self.folder.glob("step-*.tmp"):
@@ -185,16 +174,15 @@ class CheckpointManager:
             path = self.folder / f"step-{step}"
             why = self._try_load(path, model_shapes)
             if why is None:
-                if failed and self.rank == 0:
-                    self.log(f"resuming from {path} instead (skipped unreadable: {', '.join(failed)})")
+                if failed:
+                    self.log_once(f"resuming from {path} instead (skipped unreadable: {', '.join(failed)})")
                 if self.residuals is not None:
                     self._load_residuals(path)
                 if self.rank == 0:
                     self._set_aside_newer(step)
                 return step
             failed.append(path.name)
-            if self.rank == 0:
-                self.log(f"checkpoint {path} is unreadable ({why}); skipping it")
+            self.log_once(f"checkpoint {path} is unreadable ({why}); skipping it")
         if not failed:
             return 0
         if self.cfg.load_step >= 0:
@@ -204,9 +192,8 @@ class CheckpointManager:
             raise CheckpointUnreadable(
                 f"{self.folder}: every checkpoint is unreadable ({', '.join(failed)}); not starting over "
                 f"from step 0 (set checkpoint.allow_fresh_start = true to do so, or checkpoint.folder)")
-        if self.rank == 0:
-            self.log(f"every checkpoint in {self.folder} is unreadable; starting from step 0 "
-                     f"(checkpoint.allow_fresh_start = true)")
+        self.log_once(f"every checkpoint in {self.folder} is unreadable; starting from step 0 "
+                      f"(checkpoint.allow_fresh_start = true)")
         return 0
 
     def _model_shapes(self) -> dict[str, tuple]:
@@ -275,9 +262,8 @@ class CheckpointManager:
         reason = next((r for r in reasons if r is not None), None)
         if reason is None:
             self.residuals.load_residual_state(saved["residuals"])
-        if self.rank == 0:
-            self.log(f"error-feedback residuals restored from {path.parent}" if reason is None else
-                     f"error-feedback residuals restart from zero: {reason}")
+        self.log_once(f"error-feedback residuals restored from {path.parent}" if reason is None else
+                      f"error-feedback residuals restart from zero: {reason}")
 
     def should_save(self, step: int, last_step: int) -> bool:
         return self.cfg.enabled and (step % self.cfg.interval == 0 or step == last_step)
@@ -318,8 +304,7 @@ class CheckpointManager:
     def finish_pending(self) -> None:
         if self.pending is None:
             return
-        future, tmp, final = self.pending
-        self.pending = None
+        (future, tmp, final), self.pending = self.pending, None
         try:
             future.result()
         except (Exception, CheckpointException) as e:
@@ -332,8 +317,7 @@ class CheckpointManager:
         removes the partial folder."""
         if self.pending is None:
             return
-        future, tmp, final = self.pending
-        self.pending = None
+        (future, tmp, final), self.pending = self.pending, None
         try:
             future.result(timeout=timeout_s)
         except Exception as e:  # noqa: BLE001  the save itself failed or is stuck: abandon it below

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import fcntl
@@ -113,21 +114,13 @@ _HELD: dict[str, RunLock] = {}  # this process's locks: the same job asking agai
 class RunLock:
     """``flock`` on ``<folder>/.lock`` held until ``release`` (or the process's end)."""
 
-    def __init__(self, folder: Path):
-        self.folder = folder
-        self.path = folder / LOCK_FILE
-        self.fd: int | None = None
-
     @classmethod
     def acquire(cls, folder: str | Path, log: Callable[[str], None]) -> RunLock:
         folder = Path(folder).expanduser().resolve()
         held = _HELD.get(str(folder))
-        if held is not None and held.fd is not None:
-            return held
-        lock = cls(folder)
-        lock._acquire(log)
-        _HELD[str(folder)] = lock
-        return lock
+        if held is None or held.fd is None:
+            held = _HELD[str(folder)] = cls(folder, log)
+        return held
 
     def _read(self) -> dict:
         try:
@@ -136,9 +129,10 @@ class RunLock:
         except (OSError, ValueError):
             return {"host": "?", "pid": "?"}
 
-    def _acquire(self, log: Callable[[str], None]) -> None:
+    def __init__(self, folder: Path, log: Callable[[str], None]):
+        self.folder, self.path = folder, folder / LOCK_FILE
         try:
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            self.fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
             raise FolderUnusable(f"job.dump_folder {self.folder}: cannot open the lock file {self.path}: "
                                  f"{os_error_text(e)}") from None
@@ -169,10 +163,8 @@ class RunLock:
         """Empty the lock file (a clean end leaves no holder named) and unlock."""
         if self.fd is None:
             return
-        try:
+        with contextlib.suppress(OSError):
             os.ftruncate(self.fd, 0)
-        except OSError:
-            pass
         os.close(self.fd)  # closing the last descriptor releases the flock
         self.fd = None
         _HELD.pop(str(self.folder), None)
