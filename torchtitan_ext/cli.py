@@ -21,9 +21,6 @@ EXIT_OK, EXIT_USER, EXIT_STOPPED = 0, 2, 3
 class _CurrentStream(logging.StreamHandler):
     """Writes to whatever ``sys.stdout`` is at the time (a test's capture, or ``rank_log``'s tee)."""
 
-    def __init__(self) -> None:
-        super().__init__(sys.stdout)
-
     def emit(self, record: logging.LogRecord) -> None:
         self.stream = sys.stdout  # not setStream: it flushes the previous stream, which may be closed by now
         super().emit(record)

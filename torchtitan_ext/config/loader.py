@@ -54,9 +54,8 @@ def _coerce(value: Any, f: dataclasses.Field, where: str, from_cli: bool) -> Any
             elif isinstance(value, bool) or not isinstance(value, (int, number)):
                 raise TypeError
             value = number(value)
-        elif kind == "str":
-            if not isinstance(value, str):
-                raise TypeError
+        elif kind == "str" and not isinstance(value, str):
+            raise TypeError
         elif kind == "list":
             if from_cli and isinstance(value, str):
                 value = json.loads(value) if value.strip().startswith("[") else [
@@ -150,9 +149,7 @@ def help_text() -> str:
 def _toml_value(v: Any) -> str:
     if v is None:  # an unset tri-state key (TOML has no null): "" loads back as None
         return '""'
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, str):
+    if isinstance(v, bool | str):  # true / false, or a quoted string
         return json.dumps(v)
     if isinstance(v, list):
         return "[" + ", ".join(map(_toml_value, v)) + "]"

@@ -10,13 +10,8 @@ Rank 0 logs to the console; every rank's output (log messages, warnings, a trace
 ``<dump_folder>/logs/rank-<rank>.log``: rank 0's console through ``metrics.logger.rank_log``, the other
 ranks' log messages through their logging handler, their stdout and stderr through ``rank_log``.
 
-Before anything is written, the dump folder and the cache are probed and rank 0 takes the folder's lock
-(``checkpoint/run_folder.py``): a second job on the folder, or a start from step 0 over another run's files,
-stops with one line (exit 2).
-
-After a successful run (metrics closed, checkpoints written, process group destroyed) the process leaves
-without interpreter teardown: in CI, pipeline-parallel gloo runs that had finished every step were aborted
-there ("terminate called without an active exception", a C++ thread destroyed at exit).
+Before anything is written, the job claims the dump folder (``checkpoint.run_folder.claim``: probe, lock, no
+other run's files); a successful run leaves without interpreter teardown (``cli.exit_now`` says why).
 """
 
 from __future__ import annotations

@@ -90,7 +90,6 @@ class TrainingParts(NamedTuple):
 
 
 class BuiltRun(NamedTuple):
-    cfg: JobConfig
     runtime: Runtime
     batches: BatchPlan
     tokenizer: object
@@ -272,4 +271,4 @@ def build_run(cfg: JobConfig) -> BuiltRun:
     tokenizer, args, data = build_data(cfg, runtime.dims)
     model = build_model(cfg, runtime, args)
     training = build_training(cfg, runtime, model)
-    return BuiltRun(cfg, runtime, batches, tokenizer, data, model, training)
+    return BuiltRun(runtime, batches, tokenizer, data, model, training)

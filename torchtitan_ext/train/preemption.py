@@ -8,7 +8,7 @@ check never makes the GPU wait for the host; a signal stops the job one step lat
 
 Before training begins nothing needs saving: until the trainer installs its handlers (``raise_on_signal``,
 from the entry point) a signal raises ``StartupInterrupted`` where the job is; after that, the trainer asks
-``requested_now`` once more before its first write (the resume), so a signal during start-up or resume ends
+``check_startup`` once more before its first write (the resume), so a signal during start-up or resume ends
 the job with exit 0 and one line, having written nothing.
 """
 
@@ -42,6 +42,10 @@ def raise_on_signal() -> None:
         signal.signal(sig, stop)
 
 
+def _several_ranks() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
 class Preemption:
     def __init__(self, device: torch.device):
         self.device = device
@@ -54,26 +58,24 @@ class Preemption:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.signal = signum
 
-    def requested_now(self) -> bool:
-        """Blocking, on every rank: True when a signal has reached any rank so far (start-up's last check)."""
+    def _any_rank(self) -> torch.Tensor:
+        """The ranks' flags reduced (MAX); torch.full fills on the device: no host-to-device copy that would
+        wait for the queued step."""
         flag = torch.full((), 0 if self.signal is None else 1, device=self.device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag
 
     def check_startup(self) -> None:
-        """Raise ``StartupInterrupted`` when a signal arrived during start-up (every rank alike)."""
-        if self.requested_now():
+        """Blocking, on every rank: raise ``StartupInterrupted`` when a signal has reached any rank so far."""
+        if self._any_rank().item() if _several_ranks() else self.signal is not None:
             name = signal.Signals(self.signal).name if self.signal is not None else "signal on another rank"
             raise StartupInterrupted(f"preempted ({name}) during start-up or resume: nothing written; exiting")
 
     def requested(self) -> bool:
         """Call once after every step on every rank; the same answer on all of them: True once a signal
         reached any rank (with several ranks, as of the previous step)."""
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
+        if not _several_ranks():
             return self.signal is not None
         stop = self.reduced is not None and bool(self.reduced.item())
-        # torch.full fills on the device: no host-to-device copy that would wait for the queued step
-        self.reduced = torch.full((), 0 if self.signal is None else 1, device=self.device)
-        dist.all_reduce(self.reduced, op=dist.ReduceOp.MAX)
+        self.reduced = self._any_rank()
         return stop
