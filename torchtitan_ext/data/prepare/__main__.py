@@ -17,11 +17,13 @@ from torchtitan_ext.data.filters import HeuristicRules, model_scores
 from torchtitan_ext.data.prepare import FILTERS, Hooks, Progress, prepare
 from torchtitan_ext.data.prepare import __doc__ as DESCRIPTION
 from torchtitan_ext.data.shards import write_shard
-from torchtitan_ext.data.sources.trees import TreeError, prepare_trees
+from torchtitan_ext.data.sources.trees import TREE_SHARD_TOKENS, TreeError, prepare_trees
 from torchtitan_ext.data.tokenizers import open_tokenizer
 
+SHARD_TOKENS = 100_000_000
 
-def perplexity_scores(texts: list[str], checkpoint: str, max_tokens: int = 2048, batch_size: int = 16) -> np.ndarray:
+
+def perplexity_scores(texts: list[str], checkpoint: str, max_tokens: int = 2048) -> np.ndarray:
     """Mean next-token loss (nats) of each text under a dump folder's model, with its own tokenizer (on GPU
     when present): the ``ppl`` filter's scorer."""
     import torch
@@ -30,7 +32,7 @@ def perplexity_scores(texts: list[str], checkpoint: str, max_tokens: int = 2048,
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tok, _, _ = load_trained(checkpoint, device)
-    return model_scores(texts, model, tok, device, max_tokens, batch_size)
+    return model_scores(texts, model, tok, device, max_tokens)
 
 
 def _stderr(line: str) -> None:
@@ -87,7 +89,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer-vocab-size", type=int, default=4096, help="for --tokenizer builtin")
     p.add_argument("--cache-dir", default="~/.cache/torchtitan_ext")
     p.add_argument("--text-key", default="text", help="JSONL field / parquet or datasets column holding the text")
-    p.add_argument("--shard-tokens", type=int, default=100_000_000)
+    p.add_argument("--shard-tokens", type=int, default=None,
+                   help=f"tokens per shard (default {SHARD_TOKENS:,}; with --trees {TREE_SHARD_TOKENS:,})")
     p.add_argument("--val-shards", type=int, default=0)
     p.add_argument("--workers", type=int, default=1, help="tokenizing processes")
     p.add_argument("--chunk-docs", type=int, default=64, help="documents per work item")
@@ -108,6 +111,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _prepare(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    if args.shard_tokens is None:
+        args.shard_tokens = TREE_SHARD_TOKENS if args.trees else SHARD_TOKENS
     if args.trees:
         return _trees(args)
     scorer = (lambda texts: perplexity_scores(texts, args.ppl_checkpoint, args.ppl_max_tokens)) \
@@ -141,26 +146,13 @@ def _trees(args: argparse.Namespace) -> int:
     return 0
 
 
-def _trees_cli(argv: list[str]) -> int:
-    ap = cli.ArgumentParser(prog="python -m torchtitan_ext.data.prepare --trees",
-                            description="JSONL conversation trees -> token shards with node sidecars")
-    ap.add_argument("--input", nargs="+", required=True, help="JSONL files or globs, one tree per line")
-    ap.add_argument("--output-dir", dest="output", metavar="OUTPUT_DIR", required=True)
-    ap.add_argument("--tokenizer", default="byte", help="byte, builtin, a tokenizer.json (or its folder), a "
-                    ".tiktoken file or a SentencePiece .model")
-    ap.add_argument("--tokenizer-vocab-size", type=int, default=4096)
-    ap.add_argument("--cache-dir", default="~/.cache/torchtitan_ext")
-    ap.add_argument("--shard-tokens", type=int, default=1 << 26)
-    return _trees(ap.parse_args(argv))
-
-
 def main(argv: list[str] | None = None) -> int:
     return cli.run_tool(_prepare, argv)
 
 
 def trees_main(argv: list[str] | None = None) -> int:
-    """The trees mode alone (the former ``python -m torchtitan_ext.data.trees``)."""
-    return cli.run_tool(_trees_cli, argv)
+    """The trees mode alone (the former ``python -m torchtitan_ext.data.trees``): ``main`` with ``--trees``."""
+    return main(["--trees", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ from torchtitan_ext.data.sources.shards import shard_files
 from torchtitan_ext.errors import UserError
 from torchtitan_ext.ops.visibility import tree_visibility
 
+TREE_SHARD_TOKENS = 1 << 26
+
 
 class TreeError(UserError):
     """A bad tree record; the message names the file and line."""
@@ -55,20 +57,19 @@ def ordered_tree(record, where: str) -> tuple[list[str], list[int]]:
         if parent is not None and json.dumps(parent) not in ids:
             raise TreeError(f"{where}: node {json.dumps(node['id'])} has unknown parent {json.dumps(parent)}")
         children[-1 if parent is None else ids[json.dumps(parent)]].append(i)
-    order, parents, new_index = [], [], {}
-    stack = [(r, -1) for r in reversed(children[-1])]
+    order, parents = [], []
+    stack = [(r, -1) for r in reversed(children[-1])]  # (node, its parent's index in the order)
     while stack:
         i, parent = stack.pop()
-        new_index[i] = len(order)
+        stack.extend((c, len(order)) for c in reversed(children[i]))  # i's index: len(order) before it is added
         order.append(i)
         parents.append(parent)
-        stack.extend((c, new_index[i]) for c in reversed(children[i]))
     if len(order) != len(nodes):
         raise TreeError(f"{where}: the parent links form a cycle (nodes not reachable from a root)")
     return [nodes[i]["text"] for i in order], parents
 
 
-def prepare_trees(files: list[Path], out: Path, tokenizer, shard_tokens: int = 1 << 26) -> dict[str, int]:
+def prepare_trees(files: list[Path], out: Path, tokenizer, shard_tokens: int = TREE_SHARD_TOKENS) -> dict[str, int]:
     """Write ``train_NNNNNN.bin`` shards of whole trees with their ``.trees.npz`` sidecars."""
     out.mkdir(parents=True, exist_ok=True)
     eot = tokenizer.eot_id
