@@ -54,9 +54,8 @@ def training_chunks(texts: list[str], lines: int = 24) -> list[str]:
 
 
 def _encode_all(tokenizer, texts: list[str]) -> np.ndarray:
-    docs = tokenizer.encode_batch(texts) if hasattr(tokenizer, "encode_batch") else map(tokenizer.encode, texts)
     eot = np.array([tokenizer.eot_id], dtype=np.int32)
-    return np.concatenate([part for doc in docs for part in (doc, eot)])
+    return np.concatenate([part for doc in tokenizer.encode_batch(texts) for part in (doc, eot)])
 
 
 def builtin_shards(tokenizer, cache_dir: Path) -> tuple[Path, Path]:

@@ -62,17 +62,16 @@ def build_loaders(cfg: JobConfig, tokenizer, *, dp_rank: int, dp_world_size: int
     plain shard stream (other loaders leave ``loader.sidecars`` None)."""
     d, t = cfg.data, cfg.training
     name = "trees" if d.attention == "tree" else "domains" if d.domains else d.dataset  # the SOURCES key
-    packing = d.packing
     if name not in SOURCES:
         raise ConfigError(f"data.dataset = {d.dataset!r}: unknown source; valid: {', '.join(SOURCES)}")
-    if packing not in PACKERS:
-        raise ConfigError(f"data.packing = {packing!r}: unknown packer; valid: {', '.join(PACKERS)}")
+    if d.packing not in PACKERS:
+        raise ConfigError(f"data.packing = {d.packing!r}: unknown packer; valid: {', '.join(PACKERS)}")
     if d.attention == "document" and getattr(tokenizer, "eot_id", None) is None:
         raise ConfigError("data.attention = 'document' needs a tokenizer with an end-of-text token")
     documents = Documents(tokenizer.eot_id, d.position_reset) if d.attention == "document" else None
     ctx = LoaderContext(tokenizer=tokenizer, cache_dir=_cache_dir(d), seq_len=t.seq_len,
                         local_batch_size=t.local_batch_size, dp_rank=dp_rank, dp_world_size=dp_world_size,
-                        seed=cfg.job.seed, shuffle=d.shuffle, vocab_limit=vocab_limit, packer=PACKERS[packing],
+                        seed=cfg.job.seed, shuffle=d.shuffle, vocab_limit=vocab_limit, packer=PACKERS[d.packing],
                         documents=documents, sidecars=sidecars)
     loader, val_loader = SOURCES[name](d, ctx)
     return DataBundle(loader, val_loader, documents)

@@ -58,8 +58,7 @@ def read_shard(path: str | os.PathLike) -> np.ndarray:
         raise ShardError(f"{path}: the header announces {count} tokens (expected a count >= 0); damaged shard")
     if version not in DTYPES:
         raise ShardError(f"{path}: unknown shard version {version} (expected 1 = uint16 or 2 = uint32)")
-    itemsize = np.dtype(DTYPES[version]).itemsize
-    expected = HEADER_BYTES + count * itemsize
+    expected = HEADER_BYTES + count * np.dtype(DTYPES[version]).itemsize
     if size < expected:
         raise ShardError(f"{path}: truncated: the header announces {count} tokens ({expected} bytes) but "
                          f"the file has {size} bytes")

@@ -80,11 +80,11 @@ class PackedDataLoader(PositionState):
         logger.info(f"data.packing = 'bfd': {self.n_windows:,} windows of {seq_len + 1} tokens, padding "
                     f"{100 * self.padding_fraction:.2f}%")
 
-    def _window(self, g: int) -> tuple[np.ndarray, int]:
-        return self.windows[self._order(g)], 0
+    def _window(self, g: int) -> np.ndarray:
+        return self.windows[self._order(g)]
 
     def next_batch(self) -> Batch:
-        rows = [self._window(g)[0] for g in self._advance()]
+        rows = [self._window(g) for g in self._advance()]
         return rows_to_batch(rows, [0] * len(rows), self.vocab_limit, lambda d: str(self.shards[0].parent))
 
 

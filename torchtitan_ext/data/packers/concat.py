@@ -40,9 +40,9 @@ class TokenDataLoader(PositionState):
         self.documents = documents
         self.sidecars = sidecars(self) if sidecars is not None else None  # distill.sidecar.SidecarSet
 
-    def _window(self, g: int) -> tuple[np.ndarray, int]:
+    def _window(self, g: int) -> np.ndarray:
         shard, start = self.window_start(g)
-        return self.tokens[shard][start:start + self.seq_len + 1], shard
+        return self.tokens[shard][start:start + self.seq_len + 1]
 
     def window_start(self, g: int) -> tuple[int, int]:
         """(shard, first token) of global window ``g``."""

@@ -53,11 +53,8 @@ class Progress:
 
     def update(self, docs: int, tokens: int, nbytes: int, final: bool = False) -> None:
         self.docs, self.tokens, self.bytes = self.docs + docs, self.tokens + tokens, self.bytes + nbytes
-        now = time.time()
-        if not final and now - self.last < 0.5:
-            return
-        self.last = now
-        if self.show is not None:
+        if self.show is not None and (final or time.time() - self.last >= 0.5):
+            self.last = time.time()
             self.show(self, final)
 
     @property
@@ -142,8 +139,7 @@ def _process(texts: list[str]) -> list[tuple[np.ndarray | None, str | None, np.n
     document: the costly per-document work, done in the workers."""
     out = []
     eot = np.array([_TOK.eot_id], dtype=np.int32)
-    encoded = _TOK.encode_batch(texts) if hasattr(_TOK, "encode_batch") else map(_TOK.encode, texts)
-    for text, ids in zip(texts, encoded, strict=True):
+    for text, ids in zip(texts, _TOK.encode_batch(texts), strict=True):
         ids = np.asarray(ids, dtype=np.int32)
         reason = heuristic_reason(text, len(ids), _RULES) if _RULES is not None else None
         if reason:
@@ -278,7 +274,6 @@ def _resume(opts, hooks: Hooks, out: Path, writer: ShardWriter) -> dict | None:
 
 
 def _write(opts, hooks: Hooks, files, filters, pool, out: Path, total_bytes: int) -> dict | None:
-    before_ppl = filters[:filters.index("ppl")] if "ppl" in filters else filters
     scores = ppl_threshold = None
     if "ppl" in filters:  # pass 1: the scores of what the earlier filters keep (cached in the folder)
         cache = out / "ppl_scores.npy"
@@ -286,7 +281,7 @@ def _write(opts, hooks: Hooks, files, filters, pool, out: Path, total_bytes: int
             scores = np.load(cache)
         else:
             progress = Progress(total_bytes, "scoring pass", hooks.show)
-            dedup = NearDuplicates(opts.minhash_threshold) if "minhash" in before_ppl else None
+            dedup = NearDuplicates(opts.minhash_threshold) if "minhash" in filters else None
             texts = [t for _, t, _ in _pipeline(files, opts, pool, 0, dedup, {}, progress, hooks.warn)]
             progress.update(0, 0, 0, final=True)
             scores = hooks.ppl_scorer(texts)
@@ -297,7 +292,7 @@ def _write(opts, hooks: Hooks, files, filters, pool, out: Path, total_bytes: int
     state = _resume(opts, hooks, out, writer)
     if state is None:
         return None
-    dedup = state["dedup"] or (NearDuplicates(opts.minhash_threshold) if "minhash" in before_ppl else None)
+    dedup = state["dedup"] or (NearDuplicates(opts.minhash_threshold) if "minhash" in filters else None)
     removed: dict[str, int] = dict(state["removed"])
     kept = state["kept"]
     progress = Progress(total_bytes, "prepare", hooks.show)

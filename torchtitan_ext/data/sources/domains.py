@@ -125,7 +125,7 @@ class MixingLoader:
             seen[d] += 1
         lo = self.dp_rank * self.local_batch_size
         doms = [int(d) for d in assign[lo:lo + self.local_batch_size]]
-        rows = [self.sources[d]._window(int(self.consumed[d] + rank_in_domain[lo + j]))[0] for j, d in enumerate(doms)]
+        rows = [self.sources[d]._window(int(self.consumed[d] + rank_in_domain[lo + j])) for j, d in enumerate(doms)]
         self.consumed += seen
         self.position += 1
         return rows_to_batch(rows, doms, self.vocab_limit, lambda d: f"data.domains {self.names[d]!r}")

@@ -25,9 +25,8 @@ def shard_files(data) -> tuple[list[Path], list[Path]]:
     if not data.train_path:
         raise ConfigError("data.train_path is empty: expected a folder or glob of token shards "
                           "(data.dataset = 'shards')")
-    train_files = list_shards(data.train_path, "data.train_path")
-    val_files = list_shards(data.val_path, "data.val_path") if data.val_path else []
-    return train_files, val_files
+    return (list_shards(data.train_path, "data.train_path"),
+            list_shards(data.val_path, "data.val_path") if data.val_path else [])
 
 
 def build(data, ctx: LoaderContext):
