@@ -83,13 +83,11 @@ def read_parquet(path: Path, text_key: str) -> Iterator[str]:
     names = file.schema_arrow.names
     if text_key not in names:
         raise InputError(f"{path}: no column {text_key!r} (columns: {', '.join(names)}); set --text-key")
-    row = 0
-    for batch in file.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_key]):
-        for text in batch.column(0).to_pylist():
-            row += 1
-            if not isinstance(text, str):
-                raise InputError(f"{path}: row {row}: {text_key!r} is {type(text).__name__}, expected a string")
-            yield text
+    batches = file.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_key])
+    for row, text in enumerate((t for batch in batches for t in batch.column(0).to_pylist()), 1):
+        if not isinstance(text, str):
+            raise InputError(f"{path}: row {row}: {text_key!r} is {type(text).__name__}, expected a string")
+        yield text
 
 
 def read_datasets(path: Path, text_key: str) -> Iterator[str]:
