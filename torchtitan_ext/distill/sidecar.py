@@ -50,8 +50,7 @@ class Sidecar:
             raise SidecarError(f"{path}: not a teacher sidecar (bad magic number)")
         if header[1] != VERSION:
             raise SidecarError(f"{path}: sidecar version {header[1]}, expected {VERSION}")
-        self.k, self.vocab, self.n_tokens, self.window = (int(x) for x in header[2:6])
-        self.windows_done, self.checksum = int(header[6]), int(header[7])
+        self.k, self.vocab, self.n_tokens, self.window, self.windows_done, self.checksum = map(int, header[2:8])
         expect = HEADER_INTS * 4 + self.n_tokens * self.k * ROW_BYTES_PER_K
         if self.k < 1 or self.n_tokens < 0 or path.stat().st_size != expect:
             raise SidecarError(f"{path}: {path.stat().st_size} bytes, expected {expect} for k = {self.k} and "
@@ -116,22 +115,19 @@ class SidecarSet:
         self.k = self.sidecars[0].k if self.sidecars else 0
         self.vocab = self.sidecars[0].vocab if self.sidecars else 0
 
-    def _corrupted(self, tok: np.ndarray, lp: np.ndarray, thr: np.ndarray) -> bool:
-        return bool(tok.min() < 0 or tok.max() >= self.vocab or not np.isfinite(thr).all() or (lp > 1e-4).any()
-                    or not np.isfinite(lp).all())
-
     def read(self, windows: list[tuple[int, int]], seq_len: int) -> tuple[torch.Tensor, ...]:
         """(tokens int64, log-probs, thresholds), each (batch, seq_len, k), for windows given as
         (shard, first token): rows first + 1 .. first + seq_len, the labels' positions."""
-        rows = [(self.sidecars[s], slice(a + 1, a + 1 + seq_len)) for s, a in windows]
-        tok = np.stack([side.tokens[r] for side, r in rows])
-        lp = np.stack([side.log_probs[r] for side, r in rows])
-        thr = np.stack([side.thresholds[r] for side, r in rows])
-        if self._corrupted(tok, lp, thr):
-            bad = next(side.path for side, r in rows
-                       if self._corrupted(side.tokens[r], side.log_probs[r], side.thresholds[r]))
-            raise SidecarError(f"{bad}: corrupted rows (token ids outside [0, {self.vocab}), positive or "
-                               f"non-finite log-probabilities or thresholds)")
+        rows = []
+        for s, a in windows:
+            side, r = self.sidecars[s], slice(a + 1, a + 1 + seq_len)
+            tok, lp, thr = side.tokens[r], side.log_probs[r], side.thresholds[r]
+            if tok.min() < 0 or tok.max() >= self.vocab or (lp > 1e-4).any() or not np.isfinite(lp).all() \
+                    or not np.isfinite(thr).all():
+                raise SidecarError(f"{side.path}: corrupted rows (token ids outside [0, {self.vocab}), positive or "
+                                   f"non-finite log-probabilities or thresholds)")
+            rows.append((tok, lp, thr))
+        tok, lp, thr = (np.stack(arrays) for arrays in zip(*rows, strict=True))
         return torch.from_numpy(tok.astype(np.int64)), torch.from_numpy(lp), torch.from_numpy(thr)
 
 

@@ -21,15 +21,6 @@ from torchtitan_ext.distill.gumbel import sample_topk
 from torchtitan_ext.distill.sidecar import Sidecar, bytes_per_token, sidecar_path
 
 
-def _window_log_probs(model: nn.Module, x: torch.Tensor,
-                      forward_context: Callable[[], contextlib.AbstractContextManager]) -> torch.Tensor:
-    with torch.no_grad(), forward_context():
-        logits = model(x)
-        if isinstance(logits, DTensor):
-            logits = logits.full_tensor()
-        return torch.log_softmax(logits.float(), dim=-1)
-
-
 def _write_rows(side: Sidecar, log_probs: torch.Tensor, mine: list[int], first: int, k: int, seq: int,
                 shard_seed: int) -> None:
     """The Gumbel top-k of this rank's windows (``first`` is its first) into the sidecar; window w's noise is
@@ -66,7 +57,11 @@ def write_sidecars(model: nn.Module, shards: list[Path], tokens: list[np.ndarray
         for first in range(side.windows_done, n, chunk):
             mine = [min(first + dp_rank * per_rank + j, n - 1) for j in range(per_rank)]  # tail: repeats
             x = torch.stack([torch.from_numpy(shard_tokens[w * seq:w * seq + seq].astype("int64")) for w in mine])
-            log_probs = _window_log_probs(model, x.to(device), forward_context)
+            with torch.no_grad(), forward_context():
+                logits = model(x.to(device))
+                if isinstance(logits, DTensor):
+                    logits = logits.full_tensor()
+                log_probs = torch.log_softmax(logits.float(), dim=-1)
             _write_rows(side, log_probs, mine, first + dp_rank * per_rank, k, seq, seed * 1_000_003 + s * 65_537)
             for array in (side.tokens, side.log_probs, side.thresholds):
                 array.flush()

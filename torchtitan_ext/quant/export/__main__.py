@@ -63,10 +63,7 @@ def main(argv: list[str]) -> int:
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     out = Path(args.output or folder / f"export-int{args.bits}.pt")
     torch.save(export(state, args.bits), out)
-    deq = dequantize(torch.load(out, weights_only=False))
-    with torch.no_grad():
-        for k, p_ in model.state_dict().items():
-            p_.copy_(deq[k].to(p_.dtype))
+    model.load_state_dict(dequantize(torch.load(out, weights_only=False)))
     quantized = val_loss()
     bf16 = sum(2 * t.numel() for t in state.values())
     size = out.stat().st_size
