@@ -183,14 +183,6 @@ def published_steps(folder: Path) -> list[int]:
     return sorted(int(m[1]) for d in folder.iterdir() if (m := STEP_DIR.match(d.name)) and d.is_dir())
 
 
-def _metrics_records(path: Path) -> int:
-    try:
-        with open(path, "rb") as f:
-            return sum(1 for line in f if line.strip())
-    except OSError:
-        return 0
-
-
 def previous_run_files(dump: Path, checkpoint_folder: str) -> list[str]:
     """What another run left in ``dump`` that a start from step 0 would overwrite: checkpoints, metrics."""
     found = []
@@ -198,7 +190,9 @@ def previous_run_files(dump: Path, checkpoint_folder: str) -> list[str]:
         steps = published_steps(dump / sub)
         if steps:
             found.append(f"{sub}/step-{steps[-1]}" + (f" and {len(steps) - 1} more" if len(steps) > 1 else ""))
-    records = _metrics_records(dump / "metrics.jsonl")
+    records = 0
+    with contextlib.suppress(OSError), open(dump / "metrics.jsonl", "rb") as f:
+        records = sum(1 for line in f if line.strip())
     if records:
         found.append(f"metrics.jsonl ({records} records)")
     tb = dump / "tb"
@@ -280,8 +274,7 @@ def identity(cfg: Any, model_args: Any, global_batch: int) -> dict:
             "data.domains": json.loads(json.dumps(d.domains, default=str)), "data.tokenizer": d.tokenizer}
 
 
-_ALLOWED = {"training.seq_len": "the data continues from the same position in tokens",
-            "training.global_batch_size": "the data continues from the same position in tokens",
+_ALLOWED = {"training.global_batch_size": "the data continues from the same position in tokens",
             "data.domains": "the mixture changes from here; the data continues from the same position in tokens"}
 
 

@@ -22,8 +22,7 @@ class EMA:
     def __init__(self, parts: list[nn.Module], decay: float, every: int = 1, start_step: int = 0):
         self.decay, self.every, self.start_step = decay, every, start_step
         self.params: dict[str, nn.Parameter] = {clean_fqn(n): p for m in parts for n, p in m.named_parameters()}
-        with torch.no_grad():
-            self.shadow = {n: p.detach().float().clone() for n, p in self.params.items()}
+        self.shadow = {n: p.detach().float().clone() for n, p in self.params.items()}
         self.started = False
 
     @torch.no_grad()

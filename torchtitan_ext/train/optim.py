@@ -51,15 +51,15 @@ def lr_scale(args: ModelArgs | None, name: str, p: torch.Tensor, muon: bool) -> 
     return args.width_mult ** -0.5 if muon else 1.0 / args.width_mult
 
 
-def param_groups(model: nn.Module, weight_decay: float, exclude, scale) -> list[dict]:
-    """Decay matrices only: norms, biases and embeddings are left undecayed. Parameters whose lr multiplier
-    (``scale``) is not 1 form groups of their own after the two of the standard parametrization."""
+def param_groups(model: nn.Module, weight_decay: float, args: ModelArgs | None, muon: bool) -> list[dict]:
+    """AdamW's groups (without Muon's matrices under ``muon``): norms, biases and embeddings undecayed; an lr
+    multiplier (``lr_scale``) other than 1 makes groups of its own after the two of the standard parametrization."""
     groups: dict[tuple[bool, float], list[torch.Tensor]] = {(True, 1.0): [], (False, 1.0): []}
     for name, p in model.named_parameters():
-        if not p.requires_grad or exclude(name, p):
+        if not p.requires_grad or muon and is_muon_param(name, p):
             continue
         decay = p.ndim >= 2 and "tok_embeddings" not in clean_fqn(name)
-        groups.setdefault((decay, scale(name, p)), []).append(p)
+        groups.setdefault((decay, lr_scale(args, name, p, muon=False)), []).append(p)
     return [{"params": params, "weight_decay": weight_decay if decay else 0.0}
             for (decay, _), params in groups.items()]
 
@@ -67,8 +67,7 @@ def param_groups(model: nn.Module, weight_decay: float, exclude, scale) -> list[
 def build_part_optimizers(model: nn.Module, cfg: OptimizerSection, args: ModelArgs | None = None
                           ) -> list[torch.optim.Optimizer]:
     """AdamW alone, or Muon on the blocks' matrices plus AdamW on the rest, at the same learning rate."""
-    exclude = is_muon_param if cfg.name == "muon" else (lambda name, p: False)
-    groups = param_groups(model, cfg.weight_decay, exclude, lambda name, p: lr_scale(args, name, p, muon=False))
+    groups = param_groups(model, cfg.weight_decay, args, muon=cfg.name == "muon")
     opts: list[torch.optim.Optimizer] = [
         torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=cfg.fused,
                           foreach=None if cfg.fused else True)]  # CUDA and CPU both have the fused kernel
