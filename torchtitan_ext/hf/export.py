@@ -135,11 +135,9 @@ def _side_files(layout: HFLayout, args: ModelArgs, dtype: torch.dtype, tokenizer
     """config.json, generation_config.json, the tokenizer's files and (not native) our modeling file."""
     config = dict(layout.config)
     config["torch_dtype"] = config["dtype"] = str(dtype).removeprefix("torch.")
-    ids = {}
-    if tokenizer is not None:
-        ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": int(tokenizer.eot_id),
-               "pad_token_id": tokenizer.pad_id}
-        config.update(ids)
+    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": int(tokenizer.eot_id),
+           "pad_token_id": tokenizer.pad_id} if tokenizer is not None else {}
+    config.update(ids)
     generation = {**{k: v for k, v in ids.items() if v is not None}, "do_sample": False}
     out = {name: (json.dumps(value, indent=2) + "\n").encode()
            for name, value in (("config.json", config), ("generation_config.json", generation))}

@@ -61,15 +61,14 @@ def _box(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...
 def _fill(parts: list[nn.Module], reader: SafetensorsReader, names: dict[str, tuple[str, ...]]) -> int:
     """Copy each part's slices from the folder; returns how many tensors of the parts the folder did not
     cover (left as they are)."""
-    state = [(key, t) for part in parts for key, t in part.state_dict(keep_vars=True).items()]
-    targets = [(key, t) for key, t in state if names.get(_fqn(key))]
-    missing = sorted({n for key, _ in targets for n in names[_fqn(key)] if n not in reader.shapes})
+    state = [(_fqn(key), t) for part in parts for key, t in part.state_dict(keep_vars=True).items()]
+    targets = [(fqn, t) for fqn, t in state if names.get(fqn)]
+    missing = sorted({n for fqn, _ in targets for n in names[fqn] if n not in reader.shapes})
     if missing:
         raise ExportError(f"{reader.folder}: no tensor {missing[0]} ({len(missing)} tensors missing)")
     skipped = len(state) - len(targets)
     with torch.no_grad():
-        for key, t in targets:
-            fqn = _fqn(key)
+        for fqn, t in targets:
             hf = names[fqn]
             want = tuple(t.shape[1:]) if stacked(hf) else tuple(t.shape)
             wrong = next((n for n in hf if reader.shapes[n] != want), None)

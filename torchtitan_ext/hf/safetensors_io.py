@@ -109,12 +109,10 @@ class SafetensorsReader:
                 self._handles[name] = safe_open(str(self.folder / name), framework="pt")
             except Exception as e:  # noqa: BLE001  safetensors raises its own SafetensorError (or an OSError)
                 raise ExportError(f"{self.folder / name}: cannot read it ({type(e).__name__}: {e})") from None
-        if not weight_map:
-            weight_map = {t: SINGLE for t in self._handles[SINGLE].keys()}
-        self.file_of = weight_map
+        self.file_of = weight_map or {t: SINGLE for t in self._handles[SINGLE].keys()}
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.dtypes: dict[str, torch.dtype] = {}
-        for name, file in weight_map.items():
+        for name, file in self.file_of.items():
             try:
                 piece = self._handles[file].get_slice(name)
             except Exception:  # noqa: BLE001  a name the index puts in a file that lacks it
@@ -125,12 +123,11 @@ class SafetensorsReader:
 
     def read(self, name: str, index: tuple[slice, ...] = ()) -> torch.Tensor:
         """Tensor ``name``, or the box ``index`` (one slice per leading dimension) of it."""
-        file = self.folder / self.file_of[name]
+        file = self.file_of[name]
         try:
-            t = self._handles[self.file_of[name]].get_slice(name)[index] if index else \
-                self._handles[self.file_of[name]].get_tensor(name)
+            t = self._handles[file].get_slice(name)[index] if index else self._handles[file].get_tensor(name)
         except Exception as e:  # noqa: BLE001  an I/O error under the memory map
-            raise ExportError(f"{file}: cannot read {name} ({type(e).__name__}: {e})") from None
+            raise ExportError(f"{self.folder / file}: cannot read {name} ({type(e).__name__}: {e})") from None
         self.bytes_read += t.numel() * t.element_size()
         return t
 

@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 # Dense bf16 tensor-core peaks (FLOP/s) used for MFU; GPUs not listed report no MFU.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12}
 ETA_WINDOW = 10  # logged steps whose rate gives the ETA
+CONSOLE_FIELDS = {"loss": "loss {:.4f}", "val_loss": "val {:.4f}", "grad_norm": "gnorm {:.3f}", "lr": "lr {:.2e}",
+                  "tokens_per_sec": "tok/s {:,.0f}", "mfu": "mfu {:.1%}", "memory_gib": "mem {:.1f}GiB"}
 
 
 def peak_flops() -> float | None:
@@ -81,14 +83,8 @@ class MetricsLogger:
             self.jsonl.write(json.dumps({"step": step, "time": time.time(), **values}) + "\n")
         for sink in self.sinks:
             sink.log(step, values)
-        parts = [f"step {step:>6}"]
-        for key, fmt in (("loss", "loss {:.4f}"), ("val_loss", "val {:.4f}"), ("grad_norm", "gnorm {:.3f}"),
-                         ("lr", "lr {:.2e}"), ("tokens_per_sec", "tok/s {:,.0f}"), ("mfu", "mfu {:.1%}"),
-                         ("memory_gib", "mem {:.1f}GiB")):
-            if key in values:
-                parts.append(fmt.format(values[key]))
-        parts.extend(self._timing(step))
-        log.info("  ".join(parts))
+        fields = [fmt.format(values[key]) for key, fmt in CONSOLE_FIELDS.items() if key in values]
+        log.info("  ".join([f"step {step:>6}", *fields, *self._timing(step)]))
 
     def _timing(self, step: int) -> list[str]:
         """``elapsed H:MM:SS`` and, with a step total, ``eta H:MM:SS`` at the rate of the last ETA_WINDOW
@@ -104,13 +100,10 @@ class MetricsLogger:
         return parts
 
     def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
-        if self.jsonl is not None:
-            self.jsonl.close()
         sinks, self.sinks = self.sinks, []
-        for sink in sinks:
-            sink.close()
+        for out in (self.tb, self.jsonl, *sinks):
+            if out is not None:
+                out.close()
 
 
 def hms(seconds: float) -> str:

@@ -44,12 +44,11 @@ def import_wandb():
 
 
 def run_id(dump_folder: str | Path) -> str:
-    """The id saved in ``<dump_folder>/wandb_run_id``, else a new one, saved there."""
+    """The id saved in ``<dump_folder>/wandb_run_id`` (an existing folder), else a new one, saved there."""
     path = Path(dump_folder) / RUN_ID_FILE
     if path.is_file() and (saved := path.read_text().strip()):
         return saved
     new = secrets.token_hex(4)  # W&B ids: lowercase letters and digits
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(new + "\n")
     tmp.replace(path)

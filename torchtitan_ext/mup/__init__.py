@@ -35,13 +35,12 @@ from torchtitan_ext.errors import UserError
 from torchtitan_ext.models.args import ModelArgs
 from torchtitan_ext.models.flavors import resolve_model_args
 from torchtitan_ext.parallel.grad_norm import grad_norm
+from torchtitan_ext.scaling import INSTALL_HINT  # the extra that installs matplotlib
 from torchtitan_ext.train.build import build_model, build_runtime, forward_context
 from torchtitan_ext.train.losses import cross_entropy_loss
 from torchtitan_ext.train.optim import Optimizers
 
 log = logging.getLogger(__name__)
-
-INSTALL_HINT = "pip install 'torchtitan_ext[scaling]'"
 
 
 @dataclasses.dataclass

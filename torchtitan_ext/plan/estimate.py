@@ -186,8 +186,7 @@ def _parameter_memory(p: Plan, job: _Job) -> None:
     g, dims, args, t = job.g, job.dims, job.args, job.cfg.training
     local = ((job.block + job.ends) / dims.tp + g["norms"] * job.frac_layers) / job.shard
     muon = job.cfg.optimizer.name == "muon"
-    p.memory["parameters (fp32)"] = F32 * local
-    p.memory[GRADS] = F32 * local
+    p.memory["parameters (fp32)"] = p.memory[GRADS] = F32 * local
     head_grad = g["head"] or (g["embedding"] if args.tie_embeddings else 0)
     p.memory["head gradient (at the backward peak)"] = F32 * head_grad / dims.tp / job.shard
     muon_part = (g["matrices"] + g["experts"]) * job.frac_layers / dims.tp / job.shard if muon else 0.0
