@@ -42,13 +42,10 @@ def raise_on_signal() -> None:
         signal.signal(sig, stop)
 
 
-def _several_ranks() -> bool:
-    return dist.is_initialized() and dist.get_world_size() > 1
-
-
 class Preemption:
     def __init__(self, device: torch.device):
         self.device = device
+        self.several = dist.is_initialized() and dist.get_world_size() > 1  # flags are reduced over the ranks
         self.signal: int | None = None
         self.reduced: torch.Tensor | None = None  # the flags reduced after the previous step
         if threading.current_thread() is threading.main_thread():  # handlers can only be set there
@@ -59,22 +56,21 @@ class Preemption:
         self.signal = signum
 
     def _any_rank(self) -> torch.Tensor:
-        """The ranks' flags reduced (MAX); torch.full fills on the device: no host-to-device copy that would
-        wait for the queued step."""
+        # torch.full fills on the device: no host-to-device copy that would wait for the queued step
         flag = torch.full((), 0 if self.signal is None else 1, device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return flag
 
     def check_startup(self) -> None:
         """Blocking, on every rank: raise ``StartupInterrupted`` when a signal has reached any rank so far."""
-        if self._any_rank().item() if _several_ranks() else self.signal is not None:
+        if self._any_rank().item() if self.several else self.signal is not None:
             name = signal.Signals(self.signal).name if self.signal is not None else "signal on another rank"
             raise StartupInterrupted(f"preempted ({name}) during start-up or resume: nothing written; exiting")
 
     def requested(self) -> bool:
         """Call once after every step on every rank; the same answer on all of them: True once a signal
         reached any rank (with several ranks, as of the previous step)."""
-        if not _several_ranks():
+        if not self.several:
             return self.signal is not None
         stop = self.reduced is not None and bool(self.reduced.item())
         self.reduced = self._any_rank()
