@@ -129,7 +129,3 @@ class SidecarSet:
             rows.append((tok, lp, thr))
         tok, lp, thr = (np.stack(arrays) for arrays in zip(*rows, strict=True))
         return torch.from_numpy(tok.astype(np.int64)), torch.from_numpy(lp), torch.from_numpy(thr)
-
-
-def bytes_per_token(k: int) -> int:
-    return k * ROW_BYTES_PER_K

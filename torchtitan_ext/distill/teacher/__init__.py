@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from torchtitan_ext.distill.gumbel import sample_topk
-from torchtitan_ext.distill.sidecar import Sidecar, bytes_per_token, sidecar_path
+from torchtitan_ext.distill.sidecar import ROW_BYTES_PER_K, Sidecar, sidecar_path
 
 
 def _write_rows(side: Sidecar, log_probs: torch.Tensor, mine: list[int], first: int, k: int, seq: int,
@@ -73,4 +73,4 @@ def write_sidecars(model: nn.Module, shards: list[Path], tokens: list[np.ndarray
                     progress(shard.name, min(first + chunk, n), n, done_tokens / (time.perf_counter() - t0))
     seconds = time.perf_counter() - t0
     return {"tokens": done_tokens, "seconds": seconds, "tokens_per_sec": done_tokens / max(seconds, 1e-9),
-            "bytes_per_token": bytes_per_token(k), "dense_bf16_bytes_per_token": 2 * vocab}
+            "bytes_per_token": k * ROW_BYTES_PER_K, "dense_bf16_bytes_per_token": 2 * vocab}
