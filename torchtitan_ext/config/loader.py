@@ -1,8 +1,5 @@
-"""TOML file + ``--section.key value`` overrides -> a validated JobConfig.
-
-Every mistake is reported as one ``ConfigError`` line naming the file or flag, the key, the value and
-what was expected; ``train.py`` prints it and exits with code 2.
-"""
+"""TOML file + ``--section.key value`` overrides -> a validated JobConfig. Every mistake is one ``ConfigError``
+line naming the file or flag, the key, the value and what was expected (exit code 2 at ``cli.run_tool``)."""
 
 from __future__ import annotations
 
