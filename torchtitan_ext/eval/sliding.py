@@ -28,14 +28,10 @@ def windows(n_tokens: int, seq_len: int, stride: int) -> list[tuple[int, int]]:
     last = n_tokens - 1  # index of the last target
     if last < seq_len:
         raise ValueError(f"{n_tokens} validation tokens: fewer than one window of {seq_len + 1}")
-    out, covered = [], 0  # targets <= covered are scored
-    start = 0
-    while covered < last:
-        start = min(start, last - seq_len)
-        out.append((start, covered - start))  # target index start + 1 + j scored for j >= covered - start
-        covered = start + seq_len
-        start += stride
-    return out
+    # a window every stride, the last moved back to end at the last target; window i scores the targets after
+    # the end of window i - 1 (target index start + 1 + j for j >= that offset)
+    starts = [*range(0, last - seq_len, stride), last - seq_len]
+    return [(start, starts[i - 1] + seq_len - start if i else 0) for i, start in enumerate(starts)]
 
 
 def eval_stream(loader, cfg) -> np.ndarray:
