@@ -338,6 +338,22 @@ def test_tree_shards_and_windows(tmp_path):
     assert all(c in "abcdefghijklmnopqrstuvwxyz " for c in text)
 
 
+def test_home_paths_expand_for_trees_and_chat(tmp_path, monkeypatch):
+    """``~`` in a glob reaches the files: ``prepare --trees --input`` and ``data.train_path`` of chat data."""
+    from torchtitan_ext.data.prepare.__main__ import main as data_prepare
+    from torchtitan_ext.data.sources.chat import _files
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    _write_trees(tmp_path / "t.jsonl", 5, 0)
+    assert data_prepare(["--trees", "--input", "~/t*.jsonl", "--output-dir", str(tmp_path / "out"),
+                         "--tokenizer", "byte"]) == 0
+    assert list((tmp_path / "out").glob("*.bin"))
+    (tmp_path / "chats").mkdir()
+    (tmp_path / "chats" / "a.jsonl").write_text("")
+    expected = [tmp_path / "chats" / "a.jsonl"]
+    assert _files("~/chats/*.jsonl", "data.train_path") == expected == _files("~/chats", "data.train_path")
+
+
 def test_tree_data_trains_and_resumes_exactly(tmp_path):
     from torchtitan_ext.data.prepare.__main__ import trees_main as prepare_main
 

@@ -132,7 +132,8 @@ def _prepare(argv: list[str]) -> int:
 
 
 def _trees(args: argparse.Namespace) -> int:
-    files = sorted({Path(f) for pattern in args.input for f in (glob.glob(pattern) or [pattern])})
+    patterns = [str(Path(pattern).expanduser()) for pattern in args.input]
+    files = sorted({Path(f) for pattern in patterns for f in (glob.glob(pattern) or [pattern])})
     try:
         missing = [f for f in files if not f.is_file()]
         if missing:

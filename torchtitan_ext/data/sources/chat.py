@@ -78,8 +78,8 @@ class ChatLoader(PositionState):
 
 
 def _files(pattern: str, key: str) -> list[Path]:
-    files = sorted(Path(p) for p in glob.glob(str(Path(pattern).expanduser() / "*.jsonl"
-                                                  if Path(pattern).expanduser().is_dir() else pattern)))
+    path = Path(pattern).expanduser()
+    files = sorted(Path(p) for p in glob.glob(str(path / "*.jsonl" if path.is_dir() else path)))
     if not files:
         raise ConfigError(f"{key} = {pattern!r}: no chat JSONL files there")
     return files
