@@ -363,6 +363,13 @@ def _cuda_rows(counts: list[int], dim: int = 512) -> torch.Tensor:
     return torch.randn(sum(counts), dim, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
 
 
+def _poison_cuda_cache() -> None:
+    """Leave NaN in the caching allocator's free blocks, as a training step leaves old values: an output block
+    that a kernel never wrote (say, an empty group's weight gradient) would then read as NaN."""
+    blocks = [torch.full((n,), float("nan"), device="cuda") for n in [1 << 28] + [1 << 16] * 256]
+    del blocks
+
+
 def _relerr(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
@@ -373,7 +380,7 @@ def _relerr(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_gpu_kernel_matches_emulation_and_tracks_bf16(compiled):
     """torchao's float8 grouped GEMMs on padded groups (odd and empty groups, bf16 autocast): forward and
     gradients within 2% of the emulated float8 GEMMs (5% compiled with fullgraph=True) and within 15% of bf16
-    experts."""
+    experts, with the allocator's free memory full of NaN."""
     counts = [0, 1000, 17, 0, 3000, 5, 700, 2377]
     runs = {}
     for name in ("kernel", "emulated", "bf16"):
@@ -383,6 +390,7 @@ def test_gpu_kernel_matches_emulation_and_tracks_bf16(compiled):
             torch._dynamo.reset()
             fn = torch.compile(m, fullgraph=True)
         x = _cuda_rows(counts).requires_grad_()
+        _poison_cuda_cache()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             y = fn(x.bfloat16(), torch.tensor(counts, device="cuda"))
         y.float().square().sum().backward()
@@ -399,6 +407,9 @@ def test_gpu_kernel_matches_emulation_and_tracks_bf16(compiled):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(_gpu_skip_reason() is not None, reason=str(_gpu_skip_reason()))
+@pytest.mark.xfail(strict=False, reason="known bug (2026-11-27, H200, torch 2.11, torchao 0.17): compiled float8 "
+                   "experts give a non-finite gradient norm on 5-13 of 30 steps, differently each run (eager and "
+                   "float8 linears alone: none); the job stops when 5 come in a row")
 def test_gpu_trainer_mode_debug_float8_experts(tmp_path):
     """The trainer, compiled, on the mode_debug model with float8 linears and float8 experts: the experts
     are swapped, and the loss falls like the bf16 run's (within 5% after 30 steps)."""
@@ -413,6 +424,7 @@ def test_gpu_trainer_mode_debug_float8_experts(tmp_path):
              "--job.dump_folder", str(dump), *flags],
             cwd=REPO, capture_output=True, text=True, timeout=400, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "update skipped" not in proc.stdout + proc.stderr  # no non-finite gradient norm on any step
         rows = [r for r in map(json.loads, (dump / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
         finals[name] = (rows[0]["loss"], rows[-1]["loss"])
         if name == "float8":
