@@ -348,6 +348,10 @@ def test_home_paths_expand_for_trees_and_chat(tmp_path, monkeypatch):
     assert data_prepare(["--trees", "--input", "~/t*.jsonl", "--output-dir", str(tmp_path / "out"),
                          "--tokenizer", "byte"]) == 0
     assert list((tmp_path / "out").glob("*.bin"))
+    # Options tree mode would ignore are refused, not dropped: one line, exit 2, nothing written.
+    assert data_prepare(["--trees", "--input", "~/t.jsonl", "--output-dir", str(tmp_path / "none"),
+                         "--val-shards", "1"]) == 2
+    assert not (tmp_path / "none").exists()
     (tmp_path / "chats").mkdir()
     (tmp_path / "chats" / "a.jsonl").write_text("")
     expected = [tmp_path / "chats" / "a.jsonl"]

@@ -109,11 +109,22 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+# What tree mode does not do (it writes training shards of whole trees, unfiltered, in one process).
+TEXT_ONLY = ("format", "text_key", "val_shards", "workers", "chunk_docs", "filters", "min_tokens", "max_tokens",
+             "max_symbol_ratio", "max_repeat_ratio", "minhash_threshold", "ppl_checkpoint", "ppl_percentile",
+             "ppl_max_tokens")
+
+
 def _prepare(argv: list[str]) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     if args.shard_tokens is None:
         args.shard_tokens = TREE_SHARD_TOKENS if args.trees else SHARD_TOKENS
     if args.trees:
+        given = next((name for name in TEXT_ONLY if getattr(args, name) != parser.get_default(name)), None)
+        if given:
+            raise TreeError(f"--trees does not take --{given.replace('_', '-')} (tree mode writes training shards of "
+                            f"whole trees; keep validation trees in files of their own and prepare them separately)")
         return _trees(args)
     scorer = (lambda texts: perplexity_scores(texts, args.ppl_checkpoint, args.ppl_max_tokens)) \
         if args.ppl_checkpoint else None
