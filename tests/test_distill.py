@@ -24,7 +24,7 @@ from torchtitan_ext.distill.gumbel import (
     sparse_soft_cross_entropy,
     target_weights,
 )
-from torchtitan_ext.distill.sidecar import Sidecar, sidecar_path
+from torchtitan_ext.distill.sidecar import Sidecar, SidecarError, SidecarSet, sidecar_path
 
 
 def test_sample_topk_by_hand():
@@ -273,3 +273,17 @@ def test_corrupted_or_misaligned_sidecars_give_one_line(distilled, tmp_path):
         assert "train_0.bin.topk" in err[0], err[0]
         expect = {"corrupt": "corrupted rows", "truncate": "truncated", "swap": "line up"}[case]
         assert expect in err[0], err[0]
+
+
+def test_sidecars_of_different_k_are_refused(distilled, tmp_path):
+    """A teacher pass rerun with another --k over part of the shards: refused when the set opens, naming both."""
+    root, _, _ = distilled
+    side_dir = tmp_path / "side"
+    shutil.copytree(root / "side", side_dir)
+    shards = sorted((root / "data" / "train").glob("train_*.bin"))
+    tokens = [read_shard(s) for s in shards]
+    other = Sidecar.create(sidecar_path(side_dir, shards[1]), 4, 256, tokens[1], 64)
+    other.tokens[:], other.log_probs[:], other.thresholds[:] = 0, -1.0, -2.0
+    other.set_windows_done(other.n_windows())
+    with pytest.raises(SidecarError, match=r"train_1\.bin\.topk: k = 4 over a vocabulary of 256, but .*train_0"):
+        SidecarSet(side_dir, shards, tokens, 64)

@@ -111,6 +111,10 @@ class SidecarSet:
             if side.windows_done != side.n_windows():
                 raise SidecarError(f"{side.path}: incomplete ({side.windows_done} of {side.n_windows()} "
                                    f"windows); rerun the teacher pass to finish it")
+            if self.sidecars and (side.k, side.vocab) != (self.sidecars[0].k, self.sidecars[0].vocab):
+                first = self.sidecars[0]
+                raise SidecarError(f"{side.path}: k = {side.k} over a vocabulary of {side.vocab}, but {first.path} "
+                                   f"has k = {first.k} over {first.vocab}; rerun the teacher pass with one --k")
             self.sidecars.append(side)
         self.k = self.sidecars[0].k if self.sidecars else 0
         self.vocab = self.sidecars[0].vocab if self.sidecars else 0
