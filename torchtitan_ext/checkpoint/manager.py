@@ -164,7 +164,7 @@ class CheckpointManager:
         steps = published_steps(self.folder)
         if self.cfg.load_step >= 0:
             if self.cfg.load_step not in steps:
-                raise FileNotFoundError(
+                raise CheckpointUnreadable(
                     f"checkpoint.load_step = {self.cfg.load_step}: no complete checkpoint "
                     f"{self.folder}/step-{self.cfg.load_step} (found: {complete_steps(self.folder) or 'none'})")
             steps = [self.cfg.load_step]
