@@ -282,7 +282,8 @@ class SquinchReduceScatter(_ReduceScatterBase):
     costs one float32 copy of the module's unsharded gradient per rank.
 
     The work runs synchronously on the calling stream: ``async_op`` is accepted for the interface, and
-    the output is ready (stream-ordered) when the call returns, which returns ``None``.
+    the output is ready (stream-ordered) when the call returns, which returns ``None``. A gradient under
+    ``min_numel`` goes through the plain reduce-scatter, whose ``Work`` is returned as FSDP expects.
     """
 
     min_numel: int
