@@ -109,10 +109,8 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-# What tree mode does not do (it writes training shards of whole trees, unfiltered, in one process).
-TEXT_ONLY = ("format", "text_key", "val_shards", "workers", "chunk_docs", "filters", "min_tokens", "max_tokens",
-             "max_symbol_ratio", "max_repeat_ratio", "minhash_threshold", "ppl_checkpoint", "ppl_percentile",
-             "ppl_max_tokens")
+# The options tree mode reads; it writes training shards of whole trees, unfiltered, in one process.
+TREE_OPTIONS = ("input", "output", "tokenizer", "tokenizer_vocab_size", "cache_dir", "shard_tokens", "trees")
 
 
 def _prepare(argv: list[str]) -> int:
@@ -121,7 +119,8 @@ def _prepare(argv: list[str]) -> int:
     if args.shard_tokens is None:
         args.shard_tokens = TREE_SHARD_TOKENS if args.trees else SHARD_TOKENS
     if args.trees:
-        given = next((name for name in TEXT_ONLY if getattr(args, name) != parser.get_default(name)), None)
+        given = next((name for name, value in vars(args).items()
+                      if name not in TREE_OPTIONS and value != parser.get_default(name)), None)
         if given:
             raise TreeError(f"--trees does not take --{given.replace('_', '-')} (tree mode writes training shards of "
                             f"whole trees; keep validation trees in files of their own and prepare them separately)")
