@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
 # Runs the test suite (CPU; GPU tests are skipped without CUDA). Extra arguments go to pytest.
+#   launch/test.sh                 the CI tier: everything but the `slow` tier (convergence comparisons)
+#   launch/test.sh --all           every tier, `slow` included
+#   launch/test.sh -m multigpu     the NCCL tests, on a machine with 2+ GPUs (any -m replaces the default)
 # An existing python3 is used only if it also has triton and torchao: otherwise the Triton-interpreter and
 # float8 tests would skip silently, so the virtual environment (its dev extra pins both) is used instead.
 set -euo pipefail
@@ -15,4 +18,13 @@ workers=()
 if [ "${TEST_WORKERS:-2}" != 0 ] && "$PY" -c "import xdist" >/dev/null 2>&1; then
     workers=(-n "${TEST_WORKERS:-2}" --dist loadfile)
 fi
-exec "$PY" -m pytest -q "${workers[@]}" "$@"
+tier=(-m "not slow")
+args=()
+for arg in "$@"; do
+    case "$arg" in
+        --all) tier=() ;;
+        -m|-m=*) tier=(); args+=("$arg") ;;
+        *) args+=("$arg") ;;
+    esac
+done
+exec "$PY" -m pytest -q "${workers[@]}" "${tier[@]}" "${args[@]}"

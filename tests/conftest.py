@@ -1,9 +1,16 @@
-"""The longest test files run first: launch/test.sh hands whole files to two pytest-xdist workers, and a long
+"""Shared test set-up. The suite has three tiers (README, "Tests"): the default (CI, CPU), ``slow``
+(convergence comparisons and multi-minute runs; ``launch/test.sh --all``) and ``multigpu`` (NCCL on 2+
+GPUs; ``launch/test.sh -m multigpu`` on a lent machine). Test folders: ``unit/<package>/`` (in-process),
+``integration/`` (trainer runs, gloo process groups), ``multigpu/``; shared helpers stay in this folder, which
+pytest puts on ``sys.path`` (test module names must therefore be unique across folders).
+
+The longest test files run first: launch/test.sh hands whole files to two pytest-xdist workers, and a long
 file handed out last would leave one worker idle while the other finishes it."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 LONGEST_FIRST = ("test_mode_tp.py", "test_squinch_train.py", "test_train.py", "test_parallel.py", "test_distill.py")
 
@@ -11,3 +18,9 @@ LONGEST_FIRST = ("test_mode_tp.py", "test_squinch_train.py", "test_train.py", "t
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: file order kept
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus < 2:
+        skip = pytest.mark.skip(reason=f"multigpu: needs 2+ CUDA GPUs, found {gpus}")
+        for item in items:
+            if "multigpu" in item.keywords:
+                item.add_marker(skip)
