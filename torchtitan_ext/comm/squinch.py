@@ -35,7 +35,7 @@ Special values (the published format leaves them open):
   trainer's guard.
 - A length that is not a multiple of 8 is padded with zeros to a whole block; ``decode`` drops the padding.
 
-Round-trip error (derived in tests/test_squinch_codec.py): for a finite block with ``q_max < 254`` or no
+Round-trip error (derived in tests/unit/comm/test_squinch_codec.py): for a finite block with ``q_max < 254`` or no
 saturation, ``|decode(encode(x))_i - x_i| <= 2 sqrt(S |x_i|) + S`` (times 1 + 1e-5 for float32 rounding);
 with ``maxabs <= exp(1/6) max|x|`` (q_max not clipped) this is at most ``0.0738 * max|x|`` per block.
 """

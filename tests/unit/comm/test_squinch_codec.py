@@ -389,7 +389,7 @@ def triton_results(tmp_path_factory) -> dict:
     # TRITON_INTERPRET must be set before triton decorates the kernels: a fresh process guarantees it.
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-                          cwd=here.parent)
+                          cwd=here.parents[2])
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(out, weights_only=False)
 
