@@ -9,6 +9,8 @@ file handed out last would leave one worker idle while the other finishes it."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -19,6 +21,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: file order kept
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = int(os.environ.get("TORCHTITAN_EXT_MULTIGPU_ON_CPU") or gpus)  # the tier's plumbing on CPU (nccl_utils)
     if gpus < 2:
         skip = pytest.mark.skip(reason=f"multigpu: needs 2+ CUDA GPUs, found {gpus}")
         for item in items:
