@@ -14,7 +14,8 @@ import csv
 import math
 import sys
 
-from torchtitan_ext.config.loader import ConfigError, parse_args
+from torchtitan_ext.config.loader import parse_args
+from torchtitan_ext.errors import ConfigError
 from torchtitan_ext.scaling import ScalingError
 from torchtitan_ext.scaling.sweep import global_batch_tokens, plan_sweep
 

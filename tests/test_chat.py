@@ -14,10 +14,10 @@ import torch
 from trainer_utils import losses, run_trainer
 
 from torchtitan_ext.config.job_config import DataSection
-from torchtitan_ext.config.loader import ConfigError
 from torchtitan_ext.data.chat import ChatTemplate, conversation_tokens
 from torchtitan_ext.data.registry import build_tokenizer
 from torchtitan_ext.data.sources.chat import IGNORE, ChatLoader
+from torchtitan_ext.errors import ConfigError
 from torchtitan_ext.models.args import ModelArgs
 from torchtitan_ext.models.decoder import Decoder
 from torchtitan_ext.train.losses import cross_entropy_loss

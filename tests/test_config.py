@@ -10,7 +10,8 @@ import pytest
 from trainer_utils import REPO
 
 from torchtitan_ext.config.job_config import JobConfig
-from torchtitan_ext.config.loader import ConfigError, help_text, load_toml, parse_args, to_toml
+from torchtitan_ext.config.loader import help_text, load_toml, parse_args, to_toml
+from torchtitan_ext.errors import ConfigError
 from torchtitan_ext.models.flavors import get_flavor
 from torchtitan_ext.parallel.pp import layer_ranges
 from torchtitan_ext.parallel.tp import check_tp

@@ -21,7 +21,7 @@ from dist_utils import run_distributed
 from float8_utils import TORCHAO_ERROR, init_decoder, needs_torchao, train_losses
 
 from torchtitan_ext.config.job_config import Float8Section
-from torchtitan_ext.config.loader import ConfigError
+from torchtitan_ext.errors import ConfigError
 from torchtitan_ext.models.args import ModelArgs
 from torchtitan_ext.models.decoder import Decoder
 from torchtitan_ext.models.flavors import FLAVORS

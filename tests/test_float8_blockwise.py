@@ -22,7 +22,8 @@ import torch.nn as nn
 from float8_utils import init_decoder, train_losses
 
 from torchtitan_ext.config.job_config import Float8Section
-from torchtitan_ext.config.loader import ConfigError, parse_args
+from torchtitan_ext.config.loader import parse_args
+from torchtitan_ext.errors import ConfigError
 from torchtitan_ext.models.args import ModelArgs
 from torchtitan_ext.models.decoder import Decoder, fill_param_
 from torchtitan_ext.models.flavors import FLAVORS

@@ -19,7 +19,7 @@ from dist_utils import run_distributed
 from float8_utils import TORCHAO_ERROR, needs_torchao
 
 from torchtitan_ext.config.job_config import Float8Section, JobConfig
-from torchtitan_ext.config.loader import ConfigError
+from torchtitan_ext.errors import ConfigError
 from torchtitan_ext.models.args import ModelArgs
 from torchtitan_ext.models.decoder import Decoder, fill_param_
 from torchtitan_ext.models.mode import GroupedExperts, MoDE

@@ -16,11 +16,11 @@ import pytest
 import torch
 from trainer_utils import REPO, read_metrics, run_trainer
 
-from torchtitan_ext.config.loader import ConfigError
 from torchtitan_ext.data.base import rows_to_batch
 from torchtitan_ext.data.packers.bfd import PAD, bfd_bins, pack
 from torchtitan_ext.data.shards import write_shard
 from torchtitan_ext.data.sources.domains import Domain, MixingLoader, adaptive_update, parse_domains, project
+from torchtitan_ext.errors import ConfigError
 
 
 def _write_domains(folder: Path, n_domains: int = 2) -> list[dict]:

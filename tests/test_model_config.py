@@ -11,7 +11,8 @@ import torch
 from trainer_utils import REPO
 
 from torchtitan_ext.config.job_config import JobConfig, ModelSection, ParallelismSection
-from torchtitan_ext.config.loader import ConfigError, help_text, parse_args, to_toml
+from torchtitan_ext.config.loader import help_text, parse_args, to_toml
+from torchtitan_ext.errors import ConfigError
 from torchtitan_ext.models.args import ModelArgs
 from torchtitan_ext.models.decoder import Decoder
 from torchtitan_ext.models.flavors import FLAVORS, model_overrides, resolve_model_args

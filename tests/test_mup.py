@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 from trainer_utils import TEST_CACHE, losses, read_metrics, run_trainer
 
-from torchtitan_ext.config.loader import ConfigError, parse_args
+from torchtitan_ext.config.loader import parse_args
+from torchtitan_ext.errors import ConfigError
 from torchtitan_ext.generate.decoding import KVCache, forward_cached, generate
 from torchtitan_ext.models.args import ComputeOptions, ModelArgs
 from torchtitan_ext.models.decoder import PLAIN, Decoder

@@ -11,7 +11,7 @@ from test_float8 import _train  # AdamW over accumulated micro-batches, loss per
 from trainer_utils import read_metrics, run_trainer
 
 from torchtitan_ext.config.job_config import Float8Section
-from torchtitan_ext.config.loader import ConfigError
+from torchtitan_ext.errors import ConfigError
 from torchtitan_ext.models.args import ModelArgs
 from torchtitan_ext.models.decoder import Block, Decoder, rope_tables
 from torchtitan_ext.parallel.activation_checkpoint import apply_activation_checkpointing

@@ -14,7 +14,7 @@ import pytest
 from trainer_utils import read_metrics, run_trainer
 
 from torchtitan_ext.config.job_config import JobConfig
-from torchtitan_ext.config.loader import ConfigError
+from torchtitan_ext.errors import ConfigError
 from torchtitan_ext.metrics import logger as logger_mod
 from torchtitan_ext.metrics.logger import MetricsLogger, hms
 from torchtitan_ext.metrics.wandb_sink import RUN_ID_FILE, WandbSink, tracking_sinks

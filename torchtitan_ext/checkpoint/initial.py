@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from torchtitan_ext.checkpoint.manager import ModelParts, complete_steps, unreadable_reason
-from torchtitan_ext.config.loader import ConfigError
+from torchtitan_ext.errors import ConfigError
 from torchtitan_ext.hf.load import load_hf_weights
 from torchtitan_ext.models.args import ModelArgs
 

@@ -50,8 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from torchtitan_ext.checkpoint.run_folder import STEP_DIR, os_error_text, published_steps, unique, utc_stamp
 from torchtitan_ext.config.job_config import CheckpointSection
-from torchtitan_ext.config.loader import ConfigError
-from torchtitan_ext.errors import UserError
+from torchtitan_ext.errors import ConfigError, UserError
 
 RESIDUALS_DIR = "squinch_residuals"
 

@@ -17,11 +17,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from torchtitan_ext.config.job_config import JobConfig
-from torchtitan_ext.errors import UserError
-
-
-class ConfigError(UserError):
-    """A bad config file, key or value; the message is one line meant for the user."""
+from torchtitan_ext.errors import ConfigError
 
 
 def _suggest(name: str, valid: list[str]) -> str:

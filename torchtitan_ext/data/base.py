@@ -15,9 +15,9 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from torchtitan_ext.config.loader import ConfigError
 from torchtitan_ext.data.documents import Documents
 from torchtitan_ext.data.shards import ShardError
+from torchtitan_ext.errors import ConfigError
 
 
 @dataclass

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from torchtitan_ext.config.loader import ConfigError
+from torchtitan_ext.errors import ConfigError
 
 DEFAULT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
                     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")

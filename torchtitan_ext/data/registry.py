@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import NamedTuple
 
 from torchtitan_ext.config.job_config import DataSection, JobConfig
-from torchtitan_ext.config.loader import ConfigError
 from torchtitan_ext.data.base import Loader, LoaderContext, PretokenizedVocab
 from torchtitan_ext.data.documents import Documents
 from torchtitan_ext.data.packers import bfd, concat
 from torchtitan_ext.data.sources import builtin, chat, domains, shards, trees
 from torchtitan_ext.data.tokenizers import BaseTokenizer, open_tokenizer, run_tokenizer
+from torchtitan_ext.errors import ConfigError
 
 SOURCES: dict[str, Callable] = {
     "builtin": builtin.build,

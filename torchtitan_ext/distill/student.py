@@ -17,9 +17,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from torchtitan_ext.config.job_config import JobConfig
-from torchtitan_ext.config.loader import ConfigError
 from torchtitan_ext.distill.gumbel import sparse_soft_cross_entropy, target_weights
 from torchtitan_ext.distill.sidecar import SidecarError, SidecarSet
+from torchtitan_ext.errors import ConfigError
 
 
 def sidecar_factory(cfg: JobConfig) -> Callable[[object], SidecarSet] | None:

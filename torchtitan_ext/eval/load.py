@@ -13,9 +13,10 @@ import torch
 
 from torchtitan_ext.checkpoint.manager import complete_steps, load_on_one_process
 from torchtitan_ext.config.job_config import JobConfig
-from torchtitan_ext.config.loader import ConfigError, parse_args
+from torchtitan_ext.config.loader import parse_args
 from torchtitan_ext.data.registry import build_tokenizer
 from torchtitan_ext.data.tokenizers import RUN_FOLDER, load_tokenizer, read_meta
+from torchtitan_ext.errors import ConfigError
 from torchtitan_ext.models.args import ModelArgs
 from torchtitan_ext.models.decoder import Decoder
 

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from torchtitan_ext.config.loader import ConfigError
 from torchtitan_ext.data.base import Batch
+from torchtitan_ext.errors import ConfigError
 from torchtitan_ext.eval.bpb import batch_sums
 
 

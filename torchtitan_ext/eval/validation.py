@@ -8,8 +8,8 @@ import numpy as np
 import torch
 
 from torchtitan_ext.config.job_config import JobConfig
-from torchtitan_ext.config.loader import ConfigError
 from torchtitan_ext.data.registry import build_loaders, build_tokenizer
+from torchtitan_ext.errors import ConfigError
 from torchtitan_ext.eval.bpb import summarize, token_bytes
 from torchtitan_ext.eval.sliding import eval_stream, sliding_sums
 

@@ -24,7 +24,7 @@ import dataclasses
 from pathlib import Path
 from typing import NamedTuple
 
-from torchtitan_ext.config.loader import ConfigError
+from torchtitan_ext.errors import ConfigError
 from torchtitan_ext.models.args import ModelArgs
 
 CUSTOM_ARCHITECTURE = "TorchtitanExtForCausalLM"

@@ -24,7 +24,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from torchtitan_ext.checkpoint.manager import load_on_one_process, unreadable_reason
-from torchtitan_ext.config.loader import ConfigError
+from torchtitan_ext.errors import ConfigError
 from torchtitan_ext.hf.architectures import ExportError, HFLayout, hf_layout, remote_code_files, stacked
 from torchtitan_ext.hf.safetensors_io import plan_shards, shard_files, write_index, write_shard
 from torchtitan_ext.models.args import ModelArgs

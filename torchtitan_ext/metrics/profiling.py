@@ -16,7 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from torchtitan_ext.config.job_config import ProfilingSection
-from torchtitan_ext.config.loader import ConfigError
+from torchtitan_ext.errors import ConfigError
 
 MEMORY_HISTORY_ENTRIES = 100_000  # allocation events kept by the CUDA caching allocator's history
 

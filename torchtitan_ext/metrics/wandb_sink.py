@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from torchtitan_ext.config.job_config import JobConfig
-from torchtitan_ext.config.loader import ConfigError
+from torchtitan_ext.errors import ConfigError
 
 RUN_ID_FILE = "wandb_run_id"
 EXTRA = "tracking"  # pyproject.toml's optional-dependencies extra that holds the wandb pin

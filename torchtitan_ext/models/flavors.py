@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from torchtitan_ext.config.job_config import JobConfig
-from torchtitan_ext.config.loader import ConfigError
+from torchtitan_ext.errors import ConfigError
 from torchtitan_ext.models.args import ModelArgs
 
 FLAVORS: dict[str, ModelArgs] = {

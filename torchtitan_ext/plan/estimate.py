@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import torch
 
 from torchtitan_ext.config.job_config import JobConfig
-from torchtitan_ext.config.loader import ConfigError
 from torchtitan_ext.data.tokenizers import vocab_size_of
+from torchtitan_ext.errors import ConfigError
 from torchtitan_ext.models.args import ModelArgs
 from torchtitan_ext.parallel.dims import ParallelDims, ParallelDimsError
 

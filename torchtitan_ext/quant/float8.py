@@ -45,7 +45,7 @@ import torch
 import torch.nn as nn
 
 from torchtitan_ext.config.job_config import Float8Section
-from torchtitan_ext.config.loader import ConfigError
+from torchtitan_ext.errors import ConfigError
 from torchtitan_ext.quant.float8_blockwise import BLOCK, CONTRACTION_MULTIPLE, convert_to_blockwise
 
 if TYPE_CHECKING:

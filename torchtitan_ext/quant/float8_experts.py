@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from torchtitan_ext.config.job_config import Float8Section
-from torchtitan_ext.config.loader import ConfigError
+from torchtitan_ext.errors import ConfigError
 from torchtitan_ext.models.args import ModelArgs
 from torchtitan_ext.models.mode import GroupedExperts
 

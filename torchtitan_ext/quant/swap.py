@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from torchtitan_ext.config.job_config import JobConfig
-from torchtitan_ext.config.loader import ConfigError
+from torchtitan_ext.errors import ConfigError
 from torchtitan_ext.quant.float8 import convert_to_float8
 from torchtitan_ext.quant.float8_experts import check_float8_experts, convert_experts_to_float8
 from torchtitan_ext.quant.int8 import apply_int8_forward

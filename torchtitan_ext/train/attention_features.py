@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from torchtitan_ext.config.loader import ConfigError
 from torchtitan_ext.data.documents import Documents
+from torchtitan_ext.errors import ConfigError
 from torchtitan_ext.models.decoder import Attention, Decoder
 from torchtitan_ext.ops.zreg import output_z_term
 from torchtitan_ext.parallel.pp import layer_ranges

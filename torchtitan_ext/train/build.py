@@ -19,10 +19,10 @@ import torch.nn as nn
 from torchtitan_ext.checkpoint.run_folder import would_resume
 from torchtitan_ext.comm.compressed_collectives import CommStats, apply_gradient_compression
 from torchtitan_ext.config.job_config import JobConfig
-from torchtitan_ext.config.loader import ConfigError
 from torchtitan_ext.data.registry import DataBundle, build_loaders, build_tokenizer
 from torchtitan_ext.data.shards import loader_shards, scan_shards
 from torchtitan_ext.distill.student import sidecar_factory
+from torchtitan_ext.errors import ConfigError
 from torchtitan_ext.eval.sliding import check_trainer_stride
 from torchtitan_ext.models.args import ComputeOptions, ModelArgs
 from torchtitan_ext.models.decoder import Decoder

@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from torchtitan_ext.config.loader import ConfigError
 from torchtitan_ext.data.base import Batch, EpochOrder, LoaderContext, PositionState, require_static_mixing
 from torchtitan_ext.data.chat import ChatTemplate, conversation_tokens, read_conversations
 from torchtitan_ext.data.documents import document_batch
 from torchtitan_ext.data.packers.bfd import bfd_bins
+from torchtitan_ext.errors import ConfigError
 
 IGNORE = -100
 logger = logging.getLogger(__name__)

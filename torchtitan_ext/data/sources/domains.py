@@ -25,10 +25,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from torchtitan_ext.config.loader import ConfigError
 from torchtitan_ext.data.base import Batch, LoaderContext, rows_to_batch
 from torchtitan_ext.data.packers.concat import TokenDataLoader
 from torchtitan_ext.data.shards import list_shards
+from torchtitan_ext.errors import ConfigError
 
 _KEYS = {"name": str, "train": str, "val": str, "weight": (int, float)}
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from torchtitan_ext.config.loader import ConfigError
 from torchtitan_ext.data.base import Loader, LoaderContext, require_static_mixing
 from torchtitan_ext.data.packers.concat import TokenDataLoader
 from torchtitan_ext.data.shards import list_shards
+from torchtitan_ext.errors import ConfigError
 
 
 def stream_loaders(train_files: list[Path], val_files: list[Path], ctx: LoaderContext

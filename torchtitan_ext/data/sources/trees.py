@@ -24,11 +24,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from torchtitan_ext.config.loader import ConfigError
 from torchtitan_ext.data.base import Batch, EpochOrder, LoaderContext, PositionState, require_static_mixing
 from torchtitan_ext.data.shards import ShardError, read_shard, write_shard
 from torchtitan_ext.data.sources.shards import shard_files
-from torchtitan_ext.errors import UserError
+from torchtitan_ext.errors import ConfigError, UserError
 from torchtitan_ext.ops.visibility import tree_visibility
 
 TREE_SHARD_TOKENS = 1 << 26

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from torchtitan_ext.config.loader import ConfigError
 from torchtitan_ext.data.tokenizers.hf_files import Pipeline, tokenizer_files
+from torchtitan_ext.errors import ConfigError
 
 META = "tokenizer_meta.json"
 EXTRA = "pip install 'torchtitan_ext[data]'"

@@ -14,9 +14,10 @@ from pathlib import Path
 
 from torchtitan_ext.checkpoint.manager import CheckpointManager, ModelParts
 from torchtitan_ext.cli import exit_now, run_tool
-from torchtitan_ext.config.loader import ConfigError, parse_args
+from torchtitan_ext.config.loader import parse_args
 from torchtitan_ext.data.packers.concat import TokenDataLoader
 from torchtitan_ext.distill.teacher import write_sidecars
+from torchtitan_ext.errors import ConfigError
 from torchtitan_ext.train.build import build_data, build_model, build_runtime, forward_context
 
 log = logging.getLogger("torchtitan_ext.distill.teacher")

@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 
 from torchtitan_ext.checkpoint.manager import load_on_one_process
 from torchtitan_ext.cli import exit_now, run_tool
-from torchtitan_ext.config.loader import ConfigError
+from torchtitan_ext.errors import ConfigError
 from torchtitan_ext.eval.load import load_trained
 from torchtitan_ext.eval.validation import evaluate_model, validation_streams
 from torchtitan_ext.quant.export import dequantize, export
