@@ -64,8 +64,11 @@ class Preemption:
     def check_startup(self) -> None:
         """Blocking, on every rank: raise ``StartupInterrupted`` when a signal has reached any rank so far."""
         if self._any_rank().item() if self.several else self.signal is not None:
-            name = signal.Signals(self.signal).name if self.signal is not None else "signal on another rank"
-            raise StartupInterrupted(f"preempted ({name}) during start-up or resume: nothing written; exiting")
+            raise StartupInterrupted(f"preempted ({self.source()}) during start-up or resume: nothing written; exiting")
+
+    def source(self) -> str:
+        """What stopped the job, as this rank saw it: the signal it received, or "signal on another rank"."""
+        return signal.Signals(self.signal).name if self.signal is not None else "signal on another rank"
 
     def requested(self) -> bool:
         """Call once after every step on every rank; the same answer on all of them: True once a signal

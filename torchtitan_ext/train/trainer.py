@@ -468,7 +468,8 @@ class Trainer:
                     self.checkpointer.save(self.step, wait=True)
                 log.info(f"preempted (signal) after step {self.step}: " + (
                     f"saved {self.checkpointer.folder}/step-{self.step}; exiting" if self.checkpointer.cfg.enabled
-                    else "checkpoint.enabled = false, nothing saved; exiting"))
+                    else "checkpoint.enabled = false, nothing saved; exiting")
+                    + f" (this rank: {self.preemption.source()})")
                 return
             if save_now:
                 self.checkpointer.save(self.step, wait=self.step == t.steps)
