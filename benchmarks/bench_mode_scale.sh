@@ -3,7 +3,8 @@
 # 0.2.0's qwen3 MoE at the same shape under EP 4, and a per-kernel profile of our EP 4 step. Model: mode_debug resized
 # to d_model 2048, 16 heads (8 KV, head_dim 128), 8 layers, every layer MoDE with 64 SwiGLU experts of hidden 1408,
 # top-2, no shared expert, Switch aux loss 0.01 + router z-loss 0.001 (the flavor's), no qk-norm, untied head,
-# vocabulary 32000 (4.66e9 parameters, 0.34e9 active); seq 2048, 8 sequences per GPU, bf16 (FSDP mixed precision,
+# vocabulary 32000 (4,662,003,712 parameters, 371,230,720 active per token incl. the input table; torchtitan's model
+# has exactly as many, and both count the same 2.237e9 training FLOPs per token for MFU); seq 2048, 8 sequences per GPU, bf16 (FSDP mixed precision,
 # fp32 reduce), compiled, 25 steps, log every 5, byte tokenizer, no checkpoint, no eval.
 #
 # Usage, from the repository root on a 4-GPU machine (carry .whl for tt_ep4):
