@@ -26,11 +26,23 @@ Resuming an older step is a branch: the checkpoints newer than the one loaded ar
 ``keep_latest_k`` counts this run's saves. A save that fails with an OS error (no space, read-only) removes
 its partial ``step-N.tmp``, leaves the previous checkpoint as it was and stops the job with one line naming
 the path and the error (``CheckpointWriteFailed``, exit 2).
+
+Every published folder holds ``checksums.json`` (``integrity.py``: each file's size and CRC-32, summed by the
+rank that wrote it once the save is complete, before the rename), checked before a load reads anything: a
+damaged, emptied or missing file is named in the one line and the step is skipped like one without
+``.metadata``. A folder without the manifest (saved before it existed) loads unverified, said in one line.
+An interrupt (Ctrl-C, a signal's exception) during a load or save is re-raised as itself, never taken for
+damage. A verified checkpoint that still does not load, or whose parameters are not the model's, is not
+damage either: the keys that changed since the last start (``<dump>/config.toml``: the optimizer, float8,
+the parallel layout, the model) are named with the value to set (``CheckpointMismatch``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import shutil
+import sys
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -48,6 +60,19 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from torchtitan_ext.checkpoint.integrity import (
+    ManifestUnreadable,
+    checksum,
+    files_written_by,
+    first_damage,
+    read_manifest,
+    write_manifest,
+)
 from torchtitan_ext.checkpoint.run_folder import STEP_DIR, os_error_text, published_steps, unique, utc_stamp
 from torchtitan_ext.config.job_config import CheckpointSection
 from torchtitan_ext.errors import ConfigError, UserError
@@ -85,7 +110,8 @@ def _shape_text(shape: tuple | None) -> str:
     return "absent" if shape is None else f"shape [{', '.join(map(str, shape))}]"
 
 
-def model_mismatch(saved: dict[str, tuple], model: dict[str, tuple]) -> str | None:
+def model_mismatch(saved: dict[str, tuple], model: dict[str, tuple],
+                   advice: str = "resume with the model settings that wrote it (see run.json)") -> str | None:
     """The first difference between the checkpoint's parameters and the model's (name -> shape), as text."""
     names = sorted(set(saved) | set(model), key=lambda n: (n not in model, n))
     diff = [n for n in names if saved.get(n, None) != model.get(n, None)]
@@ -93,8 +119,7 @@ def model_mismatch(saved: dict[str, tuple], model: dict[str, tuple]) -> str | No
         return None
     n = diff[0]
     more = f" ({len(diff)} parameters differ in all)" if len(diff) > 1 else ""
-    return (f"parameter {n}: checkpoint {_shape_text(saved.get(n))}, model {_shape_text(model.get(n))}{more}; "
-            f"resume with the model settings that wrote it (see run.json)")
+    return f"parameter {n}: checkpoint {_shape_text(saved.get(n))}, model {_shape_text(model.get(n))}{more}; {advice}"
 
 
 def _os_error(e: BaseException) -> OSError | None:
@@ -110,15 +135,59 @@ def _os_error(e: BaseException) -> OSError | None:
     return _os_error(cause) if cause is not None else None
 
 
+def interrupt_in(e: BaseException) -> BaseException | None:
+    """The interrupt inside a failed load or save (KeyboardInterrupt, a signal's exception: anything that is
+    not an ``Exception``), which DCP wraps with real failures in a CheckpointException; None when there is none."""
+    if not isinstance(e, CheckpointException):
+        return None if isinstance(e, Exception) else e
+    for failure in e.failures.values():
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(exc, BaseException) and (found := interrupt_in(exc)) is not None:
+            return found
+    return None
+
+
+SHAPING_KEYS = ("optimizer.name", "float8.", "parallelism.", "model.", "ema.")  # what a checkpoint's contents follow
+
+
+def config_changes(dump: Path, job: Any, prefixes: tuple[str, ...] = SHAPING_KEYS) -> list[str]:
+    """The keys under ``prefixes`` whose value differs between the previous start's resolved config
+    (``<dump>/config.toml``) and ``job``, each as ``key changed since the last start (old -> new): set key = old``."""
+    if job is None:
+        return []
+    try:
+        before = tomllib.loads((dump / "config.toml").read_text())
+    except (OSError, ValueError):
+        return []
+    lines = []
+    for section in dataclasses.fields(job):
+        for key, value in dataclasses.asdict(getattr(job, section.name)).items():
+            value = "" if value is None else value  # as config.toml writes an unset tri-state key
+            name, old = f"{section.name}.{key}", before.get(section.name, {}).get(key, value)
+            if old != value and name.startswith(prefixes):
+                lines.append(f"{name} changed since the last start ({json.dumps(old)} -> {json.dumps(value)}): "
+                             f"set {name} = {json.dumps(old)} to resume it")
+    return lines
+
+
 def load_on_one_process(state: dict, checkpoint: Path, advice: str = "name an earlier step-N folder") -> None:
     """``dcp.load`` of ``state`` (the whole model, or any subset of the checkpoint's tensors) by one process
     without a process group, as the tools read a run's checkpoint; a truncated or missing shard or a bad
     pickle is one line naming the folder, followed by ``advice``."""
+    try:
+        files = read_manifest(checkpoint)
+        damage = first_damage(checkpoint, files) if files is not None else None
+    except ManifestUnreadable as e:
+        damage = str(e)
+    if damage is not None:
+        raise ConfigError(f"{checkpoint}: damaged checkpoint ({damage}); {advice}")
     with warnings.catch_warnings():  # one process reading every rank's shards is the intent here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
             dcp.load(state, checkpoint_id=str(checkpoint))
         except (Exception, CheckpointException) as e:
+            if (stop := interrupt_in(e)) is not None:
+                raise stop from None
             raise ConfigError(f"{checkpoint}: cannot read this checkpoint ({unreadable_reason(e)}); {advice}") from e
 
 
@@ -134,13 +203,18 @@ def complete_steps(folder: Path) -> list[int]:
 
 class CheckpointManager:
     """``states`` go through DCP; ``residuals`` (when given: ``residual_state`` / ``load_residual_state``) are
-    saved per rank under the fingerprint ``layout`` (the parallel layout) and restored only under an equal one."""
+    saved per rank under the fingerprint ``layout`` (the parallel layout) and restored only under an equal one.
+    ``job``: the whole job config, compared with the previous start's to name what changed when a checkpoint
+    does not fit (default: the ``train_state``'s ``cfg``, when it has one)."""
 
     def __init__(self, cfg: CheckpointSection, dump_folder: str, states: dict[str, Any],
                  residuals: Any = None, layout: str = "",
-                 log: Callable[[str], None] = print):
+                 log: Callable[[str], None] = print, job: Any = None):
         self.cfg = cfg
-        self.folder = Path(dump_folder) / cfg.folder
+        self.dump = Path(dump_folder)
+        self.folder = self.dump / cfg.folder
+        self.job = job if job is not None else getattr(states.get("train_state"), "cfg", None)
+        self.checked: dict[int, str] = {}  # step -> how its integrity is known ("verified", "unverified", "saved")
         self.states = states
         self.rank = dist.get_rank()
         self.residuals = residuals
@@ -173,6 +247,7 @@ class CheckpointManager:
             path = self.folder / f"step-{step}"
             why = self._try_load(path, model_shapes)
             if why is None:
+                self.checked[step] = self._verified_as
                 if failed:
                     self.log_once(f"resuming from {path} instead (skipped unreadable: {', '.join(failed)})")
                 if self.residuals is not None:
@@ -209,26 +284,60 @@ class CheckpointManager:
         return {k.removeprefix("model."): tuple(v.size) for k, v in meta.items()
                 if k.startswith("model.") and hasattr(v, "size")}
 
-    def _try_load(self, path: Path, model_shapes: dict[str, tuple] | None = None) -> str | None:
-        """Load ``path`` into the states; the reason (the same on every rank) when any rank could not. A
-        checkpoint whose parameters are not the model's stops the job (``CheckpointMismatch``)."""
-        why = mismatch = None
+    def _verify(self, path: Path) -> str | None:
+        """Check ``path`` against its checksums (each rank a share of the files); the first damage found by
+        any rank, the same on every rank. Sets ``_verified_as``; a folder without checksums is said once."""
+        why, files = None, None
         if not (path / ".metadata").is_file():
             why = "its .metadata file is missing"
         else:
             try:
-                if model_shapes:
-                    mismatch = model_mismatch(self._saved_shapes(path), model_shapes)
-                if mismatch is None:
-                    dcp.load(self.states, checkpoint_id=str(path))
-            except (Exception, CheckpointException) as e:  # any damage (missing/truncated shard, bad pickle)
-                why = unreadable_reason(e)
+                files = read_manifest(path)
+                if files is not None:
+                    why = first_damage(path, files, self.rank, dist.get_world_size())
+            except ManifestUnreadable as e:
+                why = str(e)
+        reasons: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(reasons, why)
+        why = next((w for w in reasons if w is not None), None)
+        self._verified_as = "verified" if files is not None else "unverified"
+        if why is None and files is None:
+            self.log_once(f"checkpoint {path} has no checksums (saved before they were written): loading it "
+                          f"unverified")
+        return why
+
+    def _try_load(self, path: Path, model_shapes: dict[str, tuple] | None = None) -> str | None:
+        """Load ``path`` into the states after checking its checksums; the reason (the same on every rank)
+        when it is damaged or any rank could not load it. A checkpoint whose parameters are not the model's,
+        or that is intact but does not load into this job's states, stops the job (``CheckpointMismatch``)
+        naming the keys changed since the last start. An interrupt is re-raised, never taken for damage."""
+        why = self._verify(path)
+        if why is not None:
+            return why
+        failed = mismatch = None
+        try:
+            if model_shapes:
+                advice = "; ".join(config_changes(self.dump, self.job, ("model.", "float8.")))
+                mismatch = model_mismatch(self._saved_shapes(path), model_shapes,
+                                          *([advice] if advice else []))
+            if mismatch is None:
+                dcp.load(self.states, checkpoint_id=str(path))
+        except (Exception, CheckpointException) as e:  # damage the checksums cannot see, or another job's state
+            if (stop := interrupt_in(e)) is not None:
+                raise stop from None
+            failed = unreadable_reason(e)
         reasons: list[tuple | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(reasons, (why, mismatch))
+        dist.all_gather_object(reasons, (failed, mismatch))
         mismatch = next((m for _, m in reasons if m is not None), None)
         if mismatch is not None:
             raise CheckpointMismatch(f"{path}: {mismatch}")
-        return next((w for w, _ in reasons if w is not None), None)
+        failed = next((w for w, _ in reasons if w is not None), None)
+        changes = config_changes(self.dump, self.job) if failed is not None else []
+        if changes:
+            intact = " is intact (checksums verified) but" if self._verified_as == "verified" else ""
+            raise CheckpointMismatch(f"{path}{intact} does not fit this job ({failed}): {'; '.join(changes)} "
+                                     f"(or choose another job.dump_folder)")
+        return failed
 
     def _set_aside_newer(self, loaded: int) -> None:
         """Resuming an older step is a branch: checkpoints past it move to ``abandoned-<UTC time>/``."""
@@ -282,7 +391,11 @@ class CheckpointManager:
         self._publish(tmp, final)
 
     def _save_failed(self, e: BaseException, tmp: Path, final: Path) -> BaseException:
-        """An OS error: the partial folder removed, the error as one line; anything else as it is."""
+        """An OS error: the partial folder removed, the error as one line; an interrupt: the partial folder
+        removed, the interrupt itself; anything else as it is."""
+        if (stop := interrupt_in(e)) is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            return stop
         err = _os_error(e)
         if err is None:
             return e
@@ -310,6 +423,19 @@ class CheckpointManager:
             raise self._save_failed(e, tmp, final) from None
         self._publish(tmp, final)
 
+    def integrity_note(self) -> str:
+        """What is known of the newest checkpoint's integrity, for a stop that keeps it (one clause, never
+        claiming more than was checked)."""
+        steps = complete_steps(self.folder) if self.cfg.enabled else []
+        if not steps:
+            return "no checkpoint has been saved"
+        path, how = self.folder / f"step-{steps[-1]}", self.checked.get(steps[-1])
+        return {"verified": f"the latest checkpoint {path} matched its checksums when this job loaded it",
+                "saved": f"the latest checkpoint {path} was written by this job with checksums, which a resume "
+                         f"verifies",
+                "unverified": f"the latest checkpoint {path} has no checksums and was loaded unverified"}.get(
+            how, f"the latest checkpoint {path} was not checked by this job; a resume verifies its checksums")
+
     def finish_or_abandon(self, timeout_s: float = 600.0) -> None:
         """On any exit path: wait for a pending async save (no collective, so a rank-local failure cannot
         hang here); rank 0 publishes it if DCP wrote its metadata (every rank's data is then on disk), else
@@ -324,16 +450,48 @@ class CheckpointManager:
         if self.rank != 0:
             return
         if (tmp / ".metadata").is_file():
+            try:  # every rank's files are on disk: rank 0 sums them all
+                write_manifest(tmp, checksum(tmp, [n for r in range(dist.get_world_size())
+                                                   for n in files_written_by(tmp, r)]))
+            except OSError as e:
+                shutil.rmtree(tmp, ignore_errors=True)
+                self.log(f"pending checkpoint save {final.name} abandoned on exit: writing its checksums failed "
+                         f"({os_error_text(e)} at {e.filename or tmp}; removed)")
+                return
             if final.exists():
                 shutil.rmtree(final)
             tmp.rename(final)
+            self.checked[int(final.name.removeprefix("step-"))] = "saved"
             self.log(f"pending checkpoint save finished on exit: {final}")
         else:
             shutil.rmtree(tmp, ignore_errors=True)
             self.log(f"pending checkpoint save {final.name} abandoned on exit (incomplete, removed)")
 
     def _publish(self, tmp: Path, final: Path) -> None:
-        dist.barrier()  # every rank's shard files are written before the folder becomes visible
+        """Each rank sums the files it wrote; rank 0 writes the manifest and renames the folder (after every
+        rank's files are written: the gather waits for all of them). An OS error on any rank is the save's."""
+        def as_args(e: OSError) -> tuple:  # an OSError as picklable arguments, to rebuild it on every rank
+            return e.errno, e.strerror or str(e), str(e.filename or tmp)
+
+        try:
+            mine: dict | tuple = checksum(tmp, files_written_by(tmp, self.rank))
+        except OSError as e:
+            mine = as_args(e)
+        every: list[dict | tuple | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        failed = next((x for x in every if isinstance(x, tuple)), None)
+        if failed is None and self.rank == 0:
+            try:
+                write_manifest(tmp, {k: v for d in every for k, v in d.items()})
+            except OSError as e:
+                failed = as_args(e)
+        if dist.get_world_size() > 1:
+            said = [failed]
+            dist.broadcast_object_list(said, src=0)
+            failed = failed or said[0]
+        if failed is not None:
+            raise self._save_failed(OSError(*failed), tmp, final) from None
+        self.checked[int(final.name.removeprefix("step-"))] = "saved"
         if self.rank == 0:
             if final.exists():
                 shutil.rmtree(final)
