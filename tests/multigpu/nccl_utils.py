@@ -66,6 +66,8 @@ JOB = [
     "--metrics.log_freq", "1", "--metrics.tensorboard", "false", "--checkpoint.enabled", "false",
     "--eval.steps", "0", "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-3",
 ]
+if ON_CPU:  # the plumbing check: a narrower model on shorter sequences, so gloo on a few cores keeps up
+    JOB += ["--model.dim", "64", "--model.ffn_hidden", "192", "--training.seq_len", "64"]
 # torch.compile on the GPU; on CPU (the plumbing check) it would only cost minutes.
 COMPILE = [] if ON_CPU else ["--training.compile", "true"]
 
