@@ -117,6 +117,12 @@ class GroupedExperts(nn.Module):
     expert's gradient then sums the losses of all its EP peers' tokens, which data parallelism averages."""
 
     grad_scale = 1.0
+    # Expert parallelism's dispatch can run other work while the rows travel (``parallel/ep.py``): when
+    # ``overlaps_side_work``, the MoDE layer sets ``side_work`` (a callable) before calling the experts and
+    # reads its result from ``side_result`` after.
+    overlaps_side_work = False
+    side_work = None
+    side_result = None
 
     def __init__(self, n_experts: int, dim: int, hidden: int):
         super().__init__()
@@ -197,6 +203,12 @@ class MoDE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         copies, counts, plan = self.dispatch_tokens(x, shape)
+        if self.shared_expert is not None and self.experts.overlaps_side_work:
+            # The shared expert runs while expert parallelism's all-to-all carries the copies.
+            self.experts.side_work = lambda: self.shared_expert(x)
+            y = self.experts(copies, counts)
+            shared, self.experts.side_result = self.experts.side_result, None
+            return self.combine_outputs(y, x, plan, shared).reshape(shape)
         y = self.experts(copies, counts)
         return self.combine_outputs(y, x, plan).reshape(shape)
 
@@ -220,14 +232,18 @@ class MoDE(nn.Module):
                 aux = self.balancing_loss(logits, idx, counts)
         return dispatch_copies(x, order, inv, self.top_k), counts, (order, inv, gates, aux)
 
-    def combine_outputs(self, y: torch.Tensor, x: torch.Tensor, plan: tuple) -> torch.Tensor:
+    def combine_outputs(self, y: torch.Tensor, x: torch.Tensor, plan: tuple,
+                        shared: torch.Tensor | None = None) -> torch.Tensor:
         """The experts' rows ``y`` back in (token, copy) order, then each token's gate-weighted sum of its k
         copies (gathers and a reduction, no atomic scatter-adds: deterministic, and fast in bf16), plus the
-        shared expert; the balancing loss rides along into the backward pass."""
+        shared expert (``shared``: its output, when computed already); the balancing loss rides along into
+        the backward pass."""
         order, inv, gates, aux = plan
         y = permute_rows(y, inv, order).view(x.shape[0], self.top_k, -1)
         out = (y * gates.unsqueeze(-1)).sum(dim=1).to(x.dtype)  # summed in float32 (the gates' dtype)
-        if self.shared_expert is not None:
+        if shared is not None:
+            out = out + shared
+        elif self.shared_expert is not None:
             out = out + self.shared_expert(x)
         return out if aux is None else add_aux_loss(out, aux, self.aux_grad_scale)
 

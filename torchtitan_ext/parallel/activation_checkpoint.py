@@ -11,6 +11,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from torchtitan_ext.models.mode import MoDE
+from torchtitan_ext.parallel.ep import recompute_contexts
 
 _SAVE_OPS = {
     torch.ops.aten.mm.default,
@@ -47,5 +48,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int, moe_
             in_full_instead += 1
             op_level = False
         context = {"context_fn": partial(create_selective_checkpoint_contexts, _policy)} if op_level else {}
+        if moe_fsdp_units and isinstance(block.feed_forward, MoDE):  # not traced by dynamo (compiled around
+            context = {"context_fn": recompute_contexts}  # the experts): EP's recomputation reuses the routes
         model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False, **context)
     return in_full_instead
