@@ -254,7 +254,9 @@ class DataSection:
 @dataclass
 class EvalSection:
     interval: int = opt(0, "evaluate on the validation split every N steps; 0: only at the end", min=0)
-    steps: int = opt(10, "validation batches per evaluation; 0 disables evaluation", min=0)
+    steps: int = opt(10, "validation windows per evaluation: steps x local_batch_size windows of seq_len, the "
+                     "first steps x local_batch_size x seq_len + 1 tokens of each split whatever the rank count "
+                     "(the trainer and python -m torchtitan_ext.eval alike); 0 disables evaluation", min=0)
     use_ema: bool = opt(False, "evaluate the EMA weights ([ema] decay > 0)")
     stride: int = opt(0, "0 scores non-overlapping windows; N > 0 slides windows by N tokens over the first "
                       "steps x local_batch_size x seq_len + 1 tokens of each validation split, each scored token "

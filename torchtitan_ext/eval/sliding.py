@@ -4,8 +4,12 @@ first window scores all its targets, every later one only the targets no earlier
 context. ``stride = seq_len`` (or 0) is the plain non-overlapping evaluation. Windows run in batches.
 
 Both the standalone evaluator (``python -m torchtitan_ext.eval``, one process) and the trainer's periodic
-evaluation (``eval.stride > 0``, any data-parallel degree) score the same tokens: the first
-``eval.steps x local_batch_size x seq_len + 1`` of each validation split (``eval_stream``)."""
+evaluation (any data-parallel degree, the windows split over the ranks) score the same tokens in the same
+windows: the first ``eval.steps x local_batch_size x seq_len + 1`` of each validation split (``eval_stream``),
+so they give the same numbers on the same weights. Only jobs whose validation batches carry masks
+(``data.attention`` document / tree, ``position_reset``, chat data; ``reads_stream`` False) evaluate, in the
+trainer, the loader's first ``eval.steps`` batches on every rank with those masks instead (and refuse
+``eval.stride``); the standalone evaluator scores plain causal windows there, a different number."""
 
 from __future__ import annotations
 
@@ -48,14 +52,24 @@ def eval_stream(loader, cfg) -> np.ndarray:
     return np.concatenate(parts)
 
 
+def reads_stream(cfg) -> bool:
+    """Whether a job's validation is plain causal windows over each split's token stream (the standalone
+    evaluator's view), so that the trainer evaluates exactly as ``python -m torchtitan_ext.eval`` does:
+    always with ``eval.stride``, else unless the batches carry masks (document / tree attention, position
+    resets, chat data's assistant-only labels)."""
+    d = cfg.data
+    plain = d.attention == "causal" and not d.position_reset and d.dataset != "chat"
+    return cfg.eval.stride > 0 or plain
+
+
 def check_trainer_stride(cfg, val_loader) -> None:
-    """ConfigError (one line) for an ``eval.stride`` the trainer's periodic evaluation cannot honour;
-    ``val_loader``: None, one loader, or a dict of them by domain."""
+    """ConfigError (one line) for an evaluation the trainer cannot run: an ``eval.stride`` with masked data,
+    or a validation split shorter than one window; ``val_loader``: None, one loader, or a dict by domain."""
     stride, seq_len = cfg.eval.stride, cfg.training.seq_len
-    if not stride or val_loader is None or not cfg.eval.steps:
+    if val_loader is None or not cfg.eval.steps or not reads_stream(cfg):
         return
     val_loaders = val_loader if isinstance(val_loader, dict) else {"": val_loader}
-    if cfg.data.attention != "causal":
+    if stride and cfg.data.attention != "causal":
         raise ConfigError(f"eval.stride: sliding windows are plain causal windows; not supported with "
                           f"data.attention = {cfg.data.attention!r}")
     for name, loader in val_loaders.items():
@@ -66,13 +80,15 @@ def check_trainer_stride(cfg, val_loader) -> None:
 
 
 def trainer_batches(loader, cfg, dp_rank: int, dp: int) -> Iterator[Batch]:
-    """One validation split's batches for the trainer's evaluation: the loader's first ``eval.steps``, or with
-    ``eval.stride`` this rank's share of the sliding windows over the tokens the standalone evaluator scores."""
+    """One validation split's batches for the trainer's evaluation: this rank's share of the windows (sliding
+    with ``eval.stride``) over the tokens the standalone evaluator scores, or for masked data
+    (``reads_stream`` False) the loader's first ``eval.steps`` batches."""
     t = cfg.training
-    if not cfg.eval.stride:
+    if not reads_stream(cfg):
         loader.reset()  # every evaluation sees the same batches
         return (loader.next_batch() for _ in range(cfg.eval.steps))
-    return rank_batches(eval_stream(loader, cfg), t.seq_len, cfg.eval.stride, t.local_batch_size, dp_rank, dp)
+    return rank_batches(eval_stream(loader, cfg), t.seq_len, cfg.eval.stride or t.seq_len, t.local_batch_size,
+                        dp_rank, dp)
 
 
 def token_weighted_mean(losses: list[torch.Tensor], labels: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import numpy as np
 import torch
@@ -11,12 +12,19 @@ from torchtitan_ext.config.job_config import JobConfig
 from torchtitan_ext.data.registry import build_loaders, build_tokenizer
 from torchtitan_ext.errors import ConfigError
 from torchtitan_ext.eval.bpb import summarize, token_bytes
-from torchtitan_ext.eval.sliding import eval_stream, sliding_sums
+from torchtitan_ext.eval.sliding import eval_stream, reads_stream, sliding_sums
+
+log = logging.getLogger(__name__)
 
 
 def validation_streams(cfg: JobConfig) -> dict[str, np.ndarray]:
     """Validation token stream by domain name ("" without domains)."""
     d, t = cfg.data, cfg.training
+    if not reads_stream(cfg):
+        what = "data.dataset = 'chat'" if d.dataset == "chat" else (
+            f"data.attention = {d.attention!r}" + (", data.position_reset" if d.position_reset else ""))
+        log.warning(f"{what}: this evaluation scores plain causal windows of the validation tokens; the trainer's "
+                    f"validation uses the job's masked batches, so its val_loss differs")
     # plain causal windows, one per batch, in order: the validation shards' token streams are what is read
     plain = dataclasses.replace(cfg, training=dataclasses.replace(t, local_batch_size=1), data=dataclasses.replace(
         d, shuffle=False, mixing="static", packing="concat", attention="causal", position_reset=False))

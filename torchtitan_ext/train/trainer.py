@@ -33,7 +33,7 @@ from torchtitan_ext.config.loader import to_toml
 from torchtitan_ext.distill.student import Distillation
 from torchtitan_ext.errors import RunStopped
 from torchtitan_ext.eval.bpb import batch_sums, summarize, token_bytes
-from torchtitan_ext.eval.sliding import token_weighted_mean, trainer_batches
+from torchtitan_ext.eval.sliding import reads_stream, token_weighted_mean, trainer_batches
 from torchtitan_ext.metrics.logger import MetricsLogger, flops_per_token, peak_flops
 from torchtitan_ext.metrics.profiling import Profiling
 from torchtitan_ext.metrics.wandb_sink import tracking_sinks
@@ -372,12 +372,12 @@ class Trainer:
         loaders = self.val_loader if isinstance(self.val_loader, dict) else {"": self.val_loader}
         sums = torch.zeros(len(loaders), 3, dtype=torch.float64, device=self.device)
         for row, loader in enumerate(loaders.values()):
-            for batch in trainer_batches(loader, self.cfg, self.dims.dp_rank, self.dims.dp):  # eval.stride: sliding
+            for batch in trainer_batches(loader, self.cfg, self.dims.dp_rank, self.dims.dp):  # as the eval tool's
                 inputs, labels = batch.inputs.to(self.device), batch.labels.to(self.device)
                 if self.pp_schedule is not None:
                     loss = self._pipeline_step(inputs, labels, self.pp_schedule.eval,
                                                self.attn.model_kwargs(batch, self.device),
-                                               token_weighted=self.cfg.eval.stride > 0) * self.accum_steps
+                                               token_weighted=reads_stream(self.cfg)) * self.accum_steps
                 else:
                     with forward_context(self.cfg, self.run.runtime), self._loss_context():
                         logits = self.model_parts[0](inputs, **self.attn.model_kwargs(batch, self.device))
