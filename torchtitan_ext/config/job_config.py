@@ -213,7 +213,7 @@ class MetricsSection:
     wandb: bool = opt(False, "log what TensorBoard gets to Weights & Biases from rank 0, with the resolved config "
                       "(WANDB_MODE=offline: a run folder under dump_folder/wandb, no network); a resumed job "
                       "continues the run whose id is saved in dump_folder/wandb_run_id; needs "
-                      "pip install 'torchtitan_ext[tracking]'")
+                      "pip install -e '.[tracking]'")
     wandb_project: str = opt("torchtitan_ext", "W&B project (the entity: WANDB_ENTITY or the account's default)")
     wandb_run_name: str = opt("", "W&B run name; empty: the dump folder's name")
     wandb_tags: list = opt([], "W&B run tags, e.g. [\"baseline\", \"debug\"] (comma-separated on the command line)")

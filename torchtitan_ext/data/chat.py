@@ -26,7 +26,7 @@ def _environment():
     try:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
-        raise ConfigError("chat data needs the jinja2 package: pip install 'torchtitan_ext[data]'") from None
+        raise ConfigError("chat data needs the jinja2 package: pip install -e '.[data]'") from None
     # transformers' apply_chat_template renders with both on: a template must give the exported tokenizer's text
     return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
 

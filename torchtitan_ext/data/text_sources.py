@@ -27,7 +27,7 @@ def _needs(package: str, fmt: str):
     try:
         return __import__(package)
     except ImportError:
-        raise InputError(f"--format {fmt} needs the {package} package: pip install 'torchtitan_ext[data]'") from None
+        raise InputError(f"--format {fmt} needs the {package} package: pip install -e '.[data]'") from None
 
 
 def _text_of(record, text_key: str, where: str) -> str:

@@ -38,7 +38,7 @@ def import_wandb():
     try:
         import wandb
     except ImportError:
-        raise ConfigError(f"metrics.wandb = true needs the wandb package: pip install 'torchtitan_ext[{EXTRA}]'"
+        raise ConfigError(f"metrics.wandb = true needs the wandb package: pip install -e '.[{EXTRA}]'"
                           ) from None
     return wandb
 

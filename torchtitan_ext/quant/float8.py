@@ -24,7 +24,7 @@ MoDE experts stay in bf16 unless ``float8.experts = true``: then ``quant/float8_
 token group to be a multiple of 16 rows and torchao's own padding is not implemented in 0.17, so the module
 pads MoDE's dropless groups itself, inside the experts (see that module).
 
-torchao / torch pairing (torchao is an optional dependency: ``pip install 'torchtitan_ext[gpu]'``):
+torchao / torch pairing (torchao is an optional dependency: ``pip install -e '.[gpu]'``):
 torchao 0.17.0 (the wheel carried in ``.whl/``) trains float8 with torch 2.11 on the GPU machine (H100), and
 imports, converts and runs emulated float8 with torch 2.13 (CPU, this project's tests); its ``__init__``
 loads its compiled kernels only for torch >= 2.11 (the float8 training path itself is Python and Triton).
@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9) and Hopper (9.0) onwards
 _CAP = f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}"
-INSTALL_HINT = "pip install 'torchtitan_ext[gpu]' (or: pip install torchao)"
+INSTALL_HINT = "pip install -e '.[gpu]' (or: pip install torchao)"
 
 
 def _torchao_float8() -> ModuleType:

@@ -24,7 +24,7 @@ from torchtitan_ext.metrics.logger import step_records
 from torchtitan_ext.models.args import ModelArgs
 from torchtitan_ext.models.param_count import count_params
 
-INSTALL_HINT = "pip install 'torchtitan_ext[scaling]'"
+INSTALL_HINT = "pip install -e '.[scaling]'"
 LAW = ("L(N, D) = E + A / N^alpha + B / D^beta; N: non-embedding parameters per token, D: training tokens, "
        "C = 6 N D FLOPs")
 COLUMNS = ("params", "tokens", "loss")

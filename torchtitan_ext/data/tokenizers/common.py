@@ -18,7 +18,7 @@ from torchtitan_ext.data.tokenizers.hf_files import Pipeline, tokenizer_files
 from torchtitan_ext.errors import ConfigError
 
 META = "tokenizer_meta.json"
-EXTRA = "pip install 'torchtitan_ext[data]'"
+EXTRA = "pip install -e '.[data]'"
 
 
 class TokenizerError(ConfigError):
