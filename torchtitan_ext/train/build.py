@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from torchtitan_ext.checkpoint.run_folder import would_resume
-from torchtitan_ext.comm.compressed_collectives import CommStats, apply_gradient_compression
+from torchtitan_ext.comm.compressed_collectives import CommStats
 from torchtitan_ext.config.job_config import JobConfig
 from torchtitan_ext.data.registry import DataBundle, build_loaders, build_tokenizer
 from torchtitan_ext.data.shards import loader_shards, scan_shards
@@ -30,6 +30,7 @@ from torchtitan_ext.models.flavors import resolve_model_args
 from torchtitan_ext.models.param_count import count_params
 from torchtitan_ext.ops.attention_backend import attention_backend
 from torchtitan_ext.ops.kernels import check_kernels
+from torchtitan_ext.parallel.compression import apply_gradient_compression
 from torchtitan_ext.parallel.dims import ParallelDims
 from torchtitan_ext.parallel.ep import check_ep
 from torchtitan_ext.parallel.fsdp import apply_ddp
@@ -85,7 +86,7 @@ class TrainingParts(NamedTuple):
     spike_guard: SpikeGuard
     nonfinite: NonFiniteGuard
     ema: EMA | None
-    compression: object | None  # comm.compressed_collectives handle, or None
+    compression: object | None  # parallel.compression.GradientCompression, or None
     comm_stats: CommStats | None
 
 
