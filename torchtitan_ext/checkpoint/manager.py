@@ -386,9 +386,12 @@ class CheckpointManager:
                 self.pending = (future, tmp, final)
                 return
             dcp.save(self.states, checkpoint_id=str(tmp))
+            self._publish(tmp, final)
         except (Exception, CheckpointException) as e:
             raise self._save_failed(e, tmp, final) from None
-        self._publish(tmp, final)
+        except BaseException:  # an interrupt raised outside DCP: the partial folder goes, the interrupt stays
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
     def _save_failed(self, e: BaseException, tmp: Path, final: Path) -> BaseException:
         """An OS error: the partial folder removed, the error as one line; an interrupt: the partial folder

@@ -1,4 +1,5 @@
-"""Preemption: SIGTERM (Slurm's time limit, spot reclaim) or SIGUSR1 (``sbatch --signal``) asks the job to stop.
+"""Preemption: SIGTERM (Slurm's time limit, spot reclaim), SIGUSR1 (``sbatch --signal``) or SIGINT (Ctrl-C) asks
+the job to stop.
 
 The handler only sets a flag. After each step every rank contributes its flag to one all-reduce (MAX), so
 a signal delivered to a single rank still stops all of them after the same step; the trainer then saves a
@@ -10,6 +11,11 @@ Before training begins nothing needs saving: until the trainer installs its hand
 from the entry point) a signal raises ``StartupInterrupted`` where the job is; after that, the trainer asks
 ``check_startup`` once more before its first write (the resume), so a signal during start-up or resume ends
 the job with exit 0 and one line, having written nothing.
+
+Ctrl-C is a stop request like SIGTERM (finish the step, save, exit 0), never a ``KeyboardInterrupt`` in the
+middle of a load or a save. A second Ctrl-C while the job is already stopping raises ``InterruptedAgain`` at
+once: the job ends without finishing the step or the save (a partial ``step-N.tmp`` is removed, the previous
+checkpoint stays), with one line and exit code 130 (``EXIT_INTERRUPTED``, 128 + SIGINT).
 """
 
 from __future__ import annotations
@@ -21,12 +27,21 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+EXIT_INTERRUPTED = 128 + signal.SIGINT
 
 
 class StartupInterrupted(BaseException):
     """A preemption signal before training began: nothing written, exit 0. A BaseException, so that no
     ``except Exception`` on the way (a checkpoint load's fallback) takes it for a failure."""
+
+    exit_code = 0
+
+
+class InterruptedAgain(StartupInterrupted):
+    """A second Ctrl-C while the job was already stopping: it ends at once, without saving; exit code 130."""
+
+    exit_code = EXIT_INTERRUPTED
 
 
 def raise_on_signal() -> None:
@@ -53,7 +68,11 @@ class Preemption:
                 signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.signal = signum
+        if signum == signal.SIGINT and self.signal == signal.SIGINT:
+            raise InterruptedAgain("interrupted again (SIGINT): stopping at once, without finishing the step or "
+                                   "saving; a resume starts from the last published checkpoint")
+        if self.signal is None or signum == signal.SIGINT:
+            self.signal = signum
 
     def _any_rank(self) -> torch.Tensor:
         # torch.full fills on the device: no host-to-device copy that would wait for the queued step

@@ -1,0 +1,166 @@
+"""Interrupts are interrupts (issue 43): Ctrl-C (SIGINT) in training stops like SIGTERM (the step finished, a
+checkpoint saved with its checksums, exit 0, no traceback); a second Ctrl-C stops at once with one line and
+leaves no partial ``step-N.tmp``; an interrupt while a resume loads its checkpoint ends the job (nothing written)
+and is never taken for damage: the good step is neither reported unreadable nor moved aside. Each test asserts
+the line, the exit code and that every earlier file is unchanged (checksums); the signals are real ones, sent
+to a real one-process CPU run."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from trainer_utils import REPO, TINY, run_trainer
+
+from torchtitan_ext.train.__main__ import main
+from torchtitan_ext.train.preemption import EXIT_INTERRUPTED
+
+CKPT = ["--checkpoint.enabled", "true", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0"]
+
+
+@pytest.fixture(autouse=True)
+def _restore_signal_handlers():
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    """4 steps, checkpoints at 2 and 4."""
+    dump = tmp_path_factory.mktemp("base") / "run"
+    run_trainer(dump, 0, *CKPT, "--training.steps", "4")
+    return dump
+
+
+def _checksums(root: Path) -> dict[str, str]:
+    """Every file under ``root`` but the append-only logs and the lock: relative path -> sha256."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != ".lock" and p.relative_to(root).parts[0] != "logs"}
+
+
+def _start(dump: Path) -> subprocess.Popen:
+    """A long one-process run (checkpoints every 2 steps), its output read line by line."""
+    cmd = [sys.executable, "-m", "torchtitan_ext.train", *TINY, "--job.dump_folder", str(dump), *CKPT,
+           "--training.steps", "1000"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("RANK", None)
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_step(proc: subprocess.Popen, step: int) -> list[str]:
+    lines = []
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        assert line, f"the run ended before step {step}: {''.join(lines)[-2000:]}"
+        lines.append(line)
+        if line.startswith(f"step {step:6d} "):
+            return lines
+    raise AssertionError("timed out")
+
+
+def _finish(proc: subprocess.Popen) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=300)
+    return proc.returncode, out, err
+
+
+def test_ctrl_c_in_training_finishes_the_step_saves_and_exits_0(tmp_path):
+    dump = tmp_path / "run"
+    proc = _start(dump)
+    try:
+        _wait_for_step(proc, 3)  # step-2 is published (synchronous save) before step 3 is logged
+        before = _checksums(dump / "checkpoint")
+        proc.send_signal(signal.SIGINT)
+        code, out, err = _finish(proc)
+    finally:
+        proc.kill()
+    assert code == 0, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    last = out.strip().splitlines()[-1]
+    step = int(last.split("after step ")[1].split(":")[0])
+    assert last.startswith(f"preempted (signal) after step {step}: saved {dump}/checkpoint/step-{step}; exiting"), last
+    assert step >= 3 and (dump / "checkpoint" / f"step-{step}" / "checksums.json").is_file()
+    assert not list((dump / "checkpoint").glob("*.tmp"))
+    after = _checksums(dump / "checkpoint")
+    assert all(after.get(k) == v for k, v in before.items())  # step-2 as it was
+
+
+def test_second_ctrl_c_stops_at_once_with_one_line(tmp_path):
+    dump = tmp_path / "run"
+    proc = _start(dump)
+    try:
+        _wait_for_step(proc, 3)
+        before = _checksums(dump / "checkpoint")
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        code, out, err = _finish(proc)
+    finally:
+        proc.kill()
+    # 130 once the entry point returns the exception's exit_code (0 before; never 1 with a traceback)
+    assert code in (EXIT_INTERRUPTED, 0), err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert out.strip().splitlines()[-1] == ("interrupted again (SIGINT): stopping at once, without finishing the "
+                                            "step or saving; a resume starts from the last published checkpoint")
+    assert not list((dump / "checkpoint").glob("*.tmp"))  # a save cut short leaves no partial folder
+    after = _checksums(dump / "checkpoint")
+    assert all(after.get(k) == v for k, v in before.items())
+
+
+def _run(capsys, dump: Path, *overrides: str) -> tuple[int, str, str]:
+    os.environ.pop("RANK", None)
+    code = main([*TINY, "--job.dump_folder", str(dump), *overrides])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_ctrl_c_while_loading_a_checkpoint_ends_the_job_and_never_blames_it(base, tmp_path, capsys, monkeypatch):
+    """A real SIGINT to this process while DCP reads step-4's data (the handler set by the run is in place)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    dump = shutil.copytree(base, tmp_path / "run")
+    before = _checksums(dump)
+    read = FileSystemReader.read_data
+
+    def interrupt_then_read(self, plan, planner):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        return read(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemReader, "read_data", interrupt_then_read)
+    code, out, err = _run(capsys, dump, *CKPT, "--training.steps", "6")
+    assert code == 0 and "Traceback" not in err and not [x for x in err.splitlines() if x.startswith("error:")]
+    assert "preempted (SIGINT) during start-up or resume: nothing written; exiting" in out
+    assert "unreadable" not in out and "step      5" not in out
+    assert _checksums(dump) == before  # step-4 neither moved aside nor changed; nothing written
+
+
+def test_keyboard_interrupt_inside_a_load_is_not_damage(base, tmp_path, capsys, monkeypatch):
+    """Where no handler turns Ctrl-C into a flag, the KeyboardInterrupt DCP wraps in its CheckpointException is
+    raised as itself: before, the good step-4 was reported unreadable, moved aside, and the run trained on."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    import torchtitan_ext.train.preemption as preemption
+
+    dump = shutil.copytree(base, tmp_path / "run")
+    before = _checksums(dump)
+
+    def interrupted(self, plan, planner):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(FileSystemReader, "read_data", interrupted)
+    monkeypatch.setattr(preemption, "SIGNALS", (signal.SIGTERM, signal.SIGUSR1))  # Ctrl-C left to Python
+    with pytest.raises(KeyboardInterrupt):
+        _run(capsys, dump, *CKPT, "--training.steps", "6")
+    out = capsys.readouterr().out
+    assert "unreadable" not in out and "moved" not in out
+    assert _checksums(dump) == before
