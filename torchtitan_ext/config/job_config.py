@@ -20,7 +20,8 @@ def opt(default, help: str, *, choices: tuple | None = None, min: float | None =
 
 @dataclass
 class JobSection:
-    dump_folder: str = opt("./outputs/debug", "folder for checkpoints, TensorBoard, metrics.jsonl, config.toml")
+    dump_folder: str = opt("./outputs/default", "folder for checkpoints, TensorBoard, metrics.jsonl, config.toml "
+                           "(train_configs/debug.toml: ./outputs/debug)")
     description: str = opt("", "free text shown at start")
     seed: int = opt(0, "seed of weights and data order", min=0)
     device: str = opt("auto", "auto: CUDA when present, else CPU", choices=("auto", "cpu", "cuda"))
