@@ -20,11 +20,14 @@ processes, ``--job.device cpu`` and no compile (conftest then does not skip the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -102,6 +105,28 @@ def start_trainer(dump: Path, nproc: int, *overrides: str, gpus: list[int] | Non
                                 stderr=subprocess.STDOUT, text=True)
 
 
+def kill_job(agent: subprocess.Popen) -> None:
+    """The agent's workers, then the agent."""
+    for pid in children(agent.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    agent.kill()
+    agent.wait()
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (a torchrun agent's workers)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
+        except OSError:
+            continue  # ended meanwhile
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return sorted(found)
+
+
 def log_tail(dump: Path, chars: int = 6000) -> str:
     path = Path(f"{dump}.log")
     return path.read_text(errors="replace")[-chars:] if path.is_file() else "(no log)"
@@ -114,8 +139,7 @@ def run_trainer(dump: Path, nproc: int, *overrides: str, gpus: list[int] | None 
     try:
         code = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        kill_job(proc)
         raise AssertionError(f"trainer timed out after {timeout} s:\n{log_tail(dump)}") from None
     if check and code != 0:
         raise AssertionError(f"trainer failed ({code}):\n{log_tail(dump)}")
@@ -134,38 +158,49 @@ def losses(dump: Path) -> dict[int, float]:
 
 class JobPool:
     """Runs jobs side by side; ``submit`` returns a Future of the job function's result. A job reserves
-    ``nproc`` of the pool's process slots while it runs (after its dependencies, which it waits on itself)."""
+    ``nproc`` of the pool's process slots while it runs (after its dependencies, which it waits on itself) and
+    gets the ``nproc`` GPUs running the fewest of the pool's processes (``MULTIGPU_MAX_PROCS`` = the GPU count:
+    one process per GPU)."""
 
     def __init__(self, max_procs: int | None = None):
-        default = 4 if ON_CPU else 6 * max(GPUS, 1)
+        default = 4 if ON_CPU else 10 * max(GPUS, 1)
         self.capacity = max_procs or int(os.environ.get("MULTIGPU_MAX_PROCS", default))
         self.free = self.capacity
+        self.load = [0] * max(GPUS, 1)  # the pool's processes on each GPU
         self.cond = threading.Condition()
-        self.next_gpu = 0
         self.executor = ThreadPoolExecutor(max_workers=64)
 
     def _reserve(self, nproc: int) -> list[int]:
         with self.cond:
             self.cond.wait_for(lambda: self.free >= min(nproc, self.capacity))
             self.free -= nproc
-            first, self.next_gpu = self.next_gpu, self.next_gpu + nproc  # spread the jobs over the GPUs
-            return gpu_list(nproc, first)
+            gpus = sorted(range(len(self.load)), key=lambda g: self.load[g])[:nproc]
+            for g in gpus:
+                self.load[g] += 1
+            return gpus
 
-    def _release(self, nproc: int) -> None:
+    def _release(self, nproc: int, gpus: list[int]) -> None:
         with self.cond:
             self.free += nproc
+            for g in gpus:
+                self.load[g] -= 1
             self.cond.notify_all()
 
-    def submit(self, nproc: int, fn: Callable[[list[int]], object], after: list[Future] = ()) -> Future:
-        """``fn(gpus)`` once every future in ``after`` is done, holding ``nproc`` slots."""
+    def submit(self, nproc: int, fn: Callable[[list[int]], object], after: list[Future] = (),
+               name: str = "") -> Future:
+        """``fn(gpus)`` once every future in ``after`` is done, holding ``nproc`` slots; its wall time goes to
+        the report under ``name``."""
         def job():
             for dep in after:
                 dep.result()
             gpus = self._reserve(nproc)
+            start = time.monotonic()
             try:
                 return fn(gpus)
             finally:
-                self._release(nproc)
+                self._release(nproc, gpus)
+                _report({"job": name or getattr(fn, "__name__", "?"), "gpus": gpus,
+                         "seconds": round(time.monotonic() - start, 1)})
         return self.executor.submit(job)
 
     def run(self, dump: Path, nproc: int, *overrides: str, after: list[Future] = ()) -> Future:
@@ -173,7 +208,7 @@ class JobPool:
         def fn(gpus):
             run_trainer(dump, nproc, *overrides, gpus=gpus)
             return dump
-        return self.submit(nproc, fn, after)
+        return self.submit(nproc, fn, after, name=dump.name)
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=True)
