@@ -1,8 +1,14 @@
 """Squinch collectives on real gloo processes against a one-process reference built from the same inputs.
 
-Each worker records the exact tensors handed to the Squinch DDP hook / FSDP2 reduce-scatter (by wrapping
-the registration, not the code under test) and what came out; the reference re-encodes those inputs
-chunk by chunk with the codec, routes the chunks by hand, sums in float32 and compares.
+Each worker records the exact tensors handed to the Squinch DDP hook / FSDP2 reduce-scatter / HSDP replicate
+hook (by wrapping the registration, not the code under test) and what came out; the reference re-encodes
+those inputs chunk by chunk with the codec, routes the chunks by hand, sums in float32 and compares.
+
+HSDP (4 processes: dp_replicate 2 x dp_shard 2): the overlapped replicate hooks (one per FSDP module, run by
+FSDP2 after that module's reduce-scatter) against the same reference, and against the post-backward
+all-reduce and uncompressed native HSDP within Squinch's error bound. On gloo FSDP2 runs the hook on the
+calling thread with no streams (CPU), so the overlap itself (the all-reduce stream) is only exercised on
+NCCL: ``tests/multigpu/test_squinch_nccl.py``.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from torchtitan_ext.comm.compressed_collectives import (
     CommStats,
     SquinchReplicateAllReduce,
     apply_squinch_fsdp,
+    install_squinch_replicate_hooks,
     register_squinch_ddp_hook,
 )
 from torchtitan_ext.comm.squinch import decode, encode
@@ -147,6 +154,54 @@ def _fsdp_run(rank: int, min_numel: int, error_feedback: bool, steps: int, dtype
     return record
 
 
+class _HookRecorder:
+    """Stands in front of an installed all-reduce hook to log the shard it is given and what it leaves."""
+
+    def __init__(self, hook, module: str, record: list[dict]) -> None:
+        self.hook, self.module, self.record = hook, module, record
+
+    def __call__(self, reduce_output: torch.Tensor) -> None:
+        entry = {"module": self.module, "input": reduce_output.clone()}
+        self.hook(reduce_output)
+        entry["output"] = reduce_output.clone()
+        self.record[-1]["calls"].append(entry)
+
+
+def _hsdp_run(rank: int, world_size: int, mode: str, min_numel: int, error_feedback: bool,
+              steps: int) -> list[dict]:
+    """HSDP over dp_replicate 2 x dp_shard world/2. ``mode``: "overlap" (the replicate hooks, recorded),
+    "post" (the replicate all-reduce after the backward pass) or "native" (FSDP2's own uncompressed HSDP)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    group = mesh["dp_replicate"].get_group()
+    model = _model()
+    for layer in (model[0], model[2], model):
+        fully_shard(layer, mesh=mesh if mode == "native" else mesh["dp_shard"])
+    record: list[dict] = []
+    stats = CommStats()
+    options = {"min_numel": min_numel, "error_feedback": error_feedback, "stats": stats}
+    after_backward = SquinchReplicateAllReduce(list(model.parameters()), group, **options) if mode == "post" else None
+    if mode == "overlap":
+        for name, module in model.named_modules():
+            if isinstance(module, FSDPModule):
+                install = module.set_all_reduce_hook
+                module.set_all_reduce_hook = (
+                    lambda hook, install=install, name=name: install(_HookRecorder(hook, name, record)))
+        install_squinch_replicate_hooks(model, group, **options)
+    for step in range(steps):
+        record.append({"calls": []})
+        model.zero_grad(set_to_none=True)
+        model(_batch(rank, step, nan=error_feedback and step == NAN_STEP)).square().mean().backward()
+        if after_backward is not None:
+            after_backward()
+        record[-1]["grads"] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        record[-1]["stats"] = stats.as_dict()
+        stats.reset()
+    return record
+
+
 def _worker(rank: int, world_size: int) -> dict[str, dict[str, list[dict]]]:
     """All scenarios in one spawn per world size: starting the processes costs more than the runs."""
     ddp = {
@@ -165,16 +220,23 @@ def _worker(rank: int, world_size: int) -> dict[str, dict[str, list[dict]]]:
         "plain": _replicate_run(rank, MIN_NUMEL, error_feedback=False, steps=2),
         "ef": _replicate_run(rank, MIN_NUMEL, error_feedback=True, steps=4),
     }
-    return {"ddp": ddp, "fsdp": fsdp, "replicate": replicate}
+    hsdp = {
+        "overlap": _hsdp_run(rank, world_size, "overlap", MIN_NUMEL, False, 2),
+        "overlap_ef": _hsdp_run(rank, world_size, "overlap", MIN_NUMEL, True, 4),
+        "overlap_bypass": _hsdp_run(rank, world_size, "overlap", 10**9, False, 1),
+        "post": _hsdp_run(rank, world_size, "post", MIN_NUMEL, False, 2),
+        "native": _hsdp_run(rank, world_size, "native", MIN_NUMEL, False, 2),
+    }
+    return {"ddp": ddp, "fsdp": fsdp, "replicate": replicate, "hsdp": hsdp}
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
 def results(request) -> tuple[int, dict[str, dict[str, list[list[dict]]]]]:
-    """(world size, {"ddp" / "fsdp": {scenario: per-rank list of per-step records}})."""
+    """(world size, {"ddp" / "fsdp" / "replicate" / "hsdp": {scenario: per-rank list of per-step records}})."""
     per_rank = run_distributed(_worker, request.param)
     return request.param, {
         kind: {scenario: [r[kind][scenario] for r in per_rank] for scenario in per_rank[0][kind]}
-        for kind in ("ddp", "fsdp", "replicate")
+        for kind in ("ddp", "fsdp", "replicate", "hsdp")
     }
 
 
@@ -393,3 +455,77 @@ def test_fsdp_stats_count_collective_bytes(fsdp_runs):
     assert runs["plain"][0][0]["stats"]["comm/bytes_uncompressed"] == 4 * (rows[0] * 14 + rows[1] * 38)
     bypass = runs["bypass"][0][0]["stats"]
     assert bypass["comm/bytes_sent"] == bypass["comm/bytes_uncompressed"]
+
+
+# ------------------------------------------------------------------------------ HSDP: overlapped replicate hooks
+
+# Per block: |decode(encode(x)) - x| <= 0.0738 max|x| (squinch.py, derived in tests/unit/comm/test_squinch_codec.py).
+SQUINCH_REL_BOUND = 0.0738
+
+
+def _replica_groups(world: int) -> list[list[int]]:
+    """The ranks that average one shard over dp_replicate: mesh (2, world / 2), rank = replica * shards + shard."""
+    shards = world // 2
+    return [[s, shards + s] for s in range(shards)]
+
+
+def _hook_calls_as_buckets(runs: list[list[dict]], ranks: list[int]) -> list[list[dict]]:
+    """The hook calls of ``ranks`` as the DDP reference's records: each module's shard one bucket, keyed by
+    the module, its input being what the replica's reduce-scatter left and its output the hook's result."""
+    return [[{"buckets": [[(c["module"], c["input"])] for c in st["calls"]],
+              "local": {c["module"]: c["input"] for c in st["calls"]},
+              "grads": {c["module"]: c["output"] for c in st["calls"]}} for st in runs[r]] for r in ranks]
+
+
+def test_hsdp_overlapped_hooks_match_one_process_reference(results):
+    """Every FSDP module's shard is averaged over its replica pair as the hand-built compressed all-reduce
+    does (bit for bit up to float32 summation order), with and without error feedback, a NaN kept visible and
+    not leaking into the residual; below min_numel a plain all-reduce; bytes as counted by hand."""
+    world, runs = results[0], results[1]["hsdp"]
+    for ranks in _replica_groups(world):
+        for key, ef in (("overlap", False), ("overlap_ef", True)):
+            records = _hook_calls_as_buckets(runs[key], ranks)
+            assert all(len(st["buckets"]) == 2 for st in records[0])  # the two Linears; the root holds none
+            _ddp_reference(records, error_feedback=ef)
+        bypass = _hook_calls_as_buckets(runs["overlap_bypass"], ranks)
+        for module, _ in bypass[0][0]["grads"].items():  # min_numel above every shard: a plain all-reduce
+            expected = _exact_mean([r[0]["local"][module] for r in bypass])
+            for r in bypass:
+                _close(r[0]["grads"][module], expected)
+    ef = runs["overlap_ef"][0]
+    assert not ef[NAN_STEP]["grads"]["0.weight"].isfinite().all(), "a NaN gradient must stay visible"
+    assert all(g.isfinite().all() for g in ef[NAN_STEP + 1]["grads"].values()), "NaN leaked into residual"
+    assert not torch.equal(ef[1]["grads"]["0.weight"], runs["overlap"][0][1]["grads"]["0.weight"]), "residual unused"
+    for step in runs["overlap"][0]:  # an all-to-all of 2 chunks and an all-gather of one per module
+        chunks = [math.ceil(math.ceil(c["input"].numel() / 2) / 8) * 8 for c in step["calls"]]
+        assert step["stats"] == {"comm/bytes_sent": sum(6 * (c // 8) * 3 for c in chunks),
+                                 "comm/bytes_uncompressed": sum(4 * c * 3 for c in chunks)}
+    bypass = runs["overlap_bypass"][0][0]["stats"]
+    assert bypass["comm/bytes_sent"] == bypass["comm/bytes_uncompressed"]
+
+
+def test_hsdp_overlapped_equals_post_backward_and_uncompressed_within_bound(results):
+    """The full gradients of overlapped HSDP, post-backward HSDP and uncompressed native HSDP: native is the
+    exact mean of the four ranks' own gradients; both compressed orders lie within Squinch's error bound of it.
+    Bound: each replica's shard x_r is encoded (error <= 0.0738 max|x_r|), the mean of the decoded shards is
+    encoded again (error <= 0.0738 max|mean|), so |compressed - exact| <= 0.0738 (2 + 0.0738) max_r max|x_r|.
+    The two orders chunk the gradients differently (per module / all at once), so they agree within twice that,
+    not bit for bit."""
+    world, runs = results[0], results[1]["hsdp"]
+    shards = world // 2
+    for step in range(2):
+        local = [_local_grads(_batch(r, step)) for r in range(world)]
+        replicas = [{n: _exact_mean([local[r * shards + s][n] for s in range(shards)]) for n in local[0]}
+                    for r in range(2)]
+        biggest = max(g.abs().max().item() for x in replicas for g in x.values())
+        bound = SQUINCH_REL_BOUND * (2 + SQUINCH_REL_BOUND) * biggest * (1 + 1e-5) + 1e-6 * biggest
+        for rank in range(world):
+            native, overlap, post = (runs[k][rank][step]["grads"] for k in ("native", "overlap", "post"))
+            for n in native:
+                exact = _exact_mean([lg[n] for lg in local])
+                _close(native[n], exact)
+                assert (overlap[n].double() - exact).abs().max().item() <= bound, (step, n)
+                assert (post[n].double() - exact).abs().max().item() <= bound, (step, n)
+                assert torch.equal(overlap[n], runs["overlap"][0][step]["grads"][n]), "replicas disagree"
+        first = {k: runs[k][0][step]["grads"]["0.weight"] for k in ("overlap", "native")}
+        assert not torch.equal(first["overlap"], first["native"]), "the weight went through uncompressed"

@@ -9,25 +9,26 @@ reduction in float32 after decoding, so no low-precision arithmetic happens on t
 * FSDP2 (:func:`apply_squinch_fsdp`): each rank encodes its whole unsharded gradient, an all-to-all sends
   every destination only the compressed chunk of its shard, and the destination decodes and sums the
   chunks in float32, then divides as FSDP's reduce op asks.
-* Trainer wiring (:func:`apply_gradient_compression`): ``comm.gradient_compression = "squinch"`` installs
-  the FSDP2 reduce-scatter (``parallelism.dp_mode = "fsdp"``) or the DDP hook (``"ddp"``) on every model
-  part; pipeline stages are FSDP modules like any other, so PP composes with it.
-* HSDP: FSDP2 (checked in torch 2.13) has no extension point for its all-reduce over the replicate
-  dimension (``set_all_reduce_hook`` runs *after* it and cannot replace it). So with Squinch the trainer
-  shards the model over ``dp_shard`` alone and, after the backward pass, :class:`SquinchReplicateAllReduce`
-  averages the gradient shards over ``dp_replicate`` in Squinch bytes (not overlapped with the backward).
-  ``apply_squinch_fsdp`` on a native HSDP model compresses only the reduce-scatter and says so.
+* HSDP's replicate dimension (:func:`install_squinch_replicate_hooks`): the model is sharded over
+  ``dp_shard`` alone (native HSDP's all-reduce cannot be replaced, only followed: torch 2.11-2.13), and an
+  FSDP2 all-reduce hook per module averages its reduce-scattered shard over ``dp_replicate`` in Squinch bytes
+  (the DDP hook's all-to-all + all-gather), started as soon as that module's reduce-scatter is done, on
+  FSDP's all-reduce stream, so it overlaps with the rest of the backward pass. The intra-node reduce-scatter
+  stays FSDP's own unless :func:`apply_squinch_fsdp` is applied too. :class:`SquinchReplicateAllReduce` does
+  the same average after the backward pass (the earlier, non-overlapped order, kept for comparison).
+* The trainer's wiring (which of these a ``[comm]`` section installs, checkpointed residuals) lives in
+  ``torchtitan_ext.parallel.compression``; this package holds the collectives only.
 
 Error feedback (optional): the residual ``input - decode(encode(input))`` of a rank's own encoding is kept
 in float32 and added to the next step's gradient before encoding, so compression error does not
 accumulate as a bias over steps. A non-finite residual entry is reset to zero: the step that produced it
 is skipped by the trainer's guard and must not poison later steps. The residuals are rank-local; the
-checkpoint saves each rank's own (:meth:`GradientCompression.residual_state`).
+checkpoint saves each rank's own (``parallel.compression.GradientCompression.residual_state``).
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations against the real types.
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -156,23 +157,27 @@ def _bucket_slices(bucket: dist.GradBucket) -> list[tuple[torch.Tensor, int, int
     return slices
 
 
-def _compressed_all_reduce(flat: torch.Tensor, state: _AllReduceState, dtype: torch.dtype,
+def _compressed_all_reduce(flat: torch.Tensor, group: dist.ProcessGroup, stats: CommStats, dtype: torch.dtype,
                            residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Average float32 ``flat`` over the group in Squinch bytes; returns it and the new residual."""
-    world = state.group.size()
+    """Average float32 ``flat`` over ``group`` in Squinch bytes; returns it and the new residual.
+
+    Every rank owns one chunk of whole blocks: an all-to-all hands it everyone's encoded copy of that chunk,
+    which it decodes, sums in float32 and divides by the world size, re-encodes and all-gathers; every rank
+    decodes the same gathered bytes, so all end with bit-identical averages."""
+    world = group.size()
     n = flat.numel()
     # Chunks of whole blocks, so every rank owns complete blocks of the bucket.
     chunk = _round_up(_round_up(n, world) // world, BLOCK)
     rows = torch.nn.functional.pad(flat, (0, world * chunk - n)).view(world, chunk)
     if residual is not None:
         residual = torch.nn.functional.pad(residual, (0, world * chunk - n)).view(world, chunk)
-    owned, residual = _exchange_and_sum(rows, state.group, dtype, state.stats, residual)
+    owned, residual = _exchange_and_sum(rows, group, dtype, stats, residual)
     owned_encoded = _encode_rows((owned / world).view(1, chunk))  # average as DDP does
     gathered = torch.empty((world, owned_encoded.shape[1]), dtype=torch.uint8, device=flat.device)
-    state.stats.add(owned_encoded, chunk, dtype)
+    stats.add(owned_encoded, chunk, dtype)
     # ``all_gather_single`` replaces the deprecated ``all_gather_into_tensor`` from torch 2.13 on.
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    all_gather(gathered, owned_encoded, group=state.group)
+    all_gather(gathered, owned_encoded, group=group)
     result = _decode_rows(gathered, chunk).reshape(-1)[:n]
     return result, None if residual is None else residual.reshape(-1)[:n]
 
@@ -199,7 +204,7 @@ def _average(grads: list[tuple[torch.Tensor, torch.Tensor]], state: _AllReduceSt
         if state.error_feedback:
             residual = torch.cat([state.residuals.get(grads[i][0], flat.new_zeros(n))
                                   for i, n in zip(large, sizes, strict=True)])
-        reduced, residual = _compressed_all_reduce(flat, state, dtype, residual)
+        reduced, residual = _compressed_all_reduce(flat, state.group, state.stats, dtype, residual)
         out.update(zip(large, reduced.split(sizes), strict=True))
         if residual is not None:
             for i, part in zip(large, residual.split(sizes), strict=True):
@@ -239,6 +244,72 @@ class SquinchReplicateAllReduce:
                  for p in self.params if p.grad is not None]
         for (_, grad), averaged in zip(local, _average(local, self.state), strict=True):
             grad.copy_(averaged.view_as(grad))
+
+
+def _error_feedback_residual(residual: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """``residual`` when it still fits ``like`` (same shape and device), else a fresh zero residual."""
+    if residual is None or residual.shape != like.shape or residual.device != like.device:
+        return torch.zeros_like(like, dtype=torch.float32)
+    return residual
+
+
+@dataclass(eq=False)
+class SquinchReplicateHook:
+    """HSDP's replicate all-reduce in Squinch bytes, overlapped with the backward pass: an FSDP2 all-reduce hook
+    (``FSDPModule.set_all_reduce_hook``) on a module sharded over ``dp_shard`` alone.
+
+    FSDP2 calls it on its all-reduce stream with the module's reduce-scattered flat gradient shard as soon as
+    that module's reduce-scatter is done, while autograd goes on with the earlier modules' backward; the hook
+    averages the shard over ``group`` (the replicas) in place, before FSDP casts it and hands it to the
+    parameters. A shard under ``min_numel`` goes through a plain all-reduce. One instance per FSDP module, so
+    the error-feedback residual (one float32 copy of this rank's shard) is kept per module and restarts from
+    zero when the shard's layout changes (a parameter got no gradient this step).
+    """
+
+    group: dist.ProcessGroup
+    min_numel: int
+    error_feedback: bool
+    stats: CommStats
+    residual: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def __call__(self, reduce_output: torch.Tensor) -> None:
+        if reduce_output.is_cuda:  # FSDP may free it after a cast queued on this stream: keep it until then
+            reduce_output.record_stream(torch.cuda.current_stream(reduce_output.device))
+        world = self.group.size()
+        if reduce_output.numel() < self.min_numel:
+            self.stats.add(reduce_output, reduce_output.numel(), reduce_output.dtype)
+            dist.all_reduce(reduce_output, group=self.group)
+            reduce_output.div_(world)
+            return
+        flat = reduce_output.reshape(-1).float()
+        residual = _error_feedback_residual(self.residual, flat) if self.error_feedback else None
+        averaged, self.residual = _compressed_all_reduce(flat, self.group, self.stats, reduce_output.dtype,
+                                                         residual)
+        reduce_output.copy_(averaged.view_as(reduce_output))
+
+
+def install_squinch_replicate_hooks(model: nn.Module, group: dist.ProcessGroup, *, min_numel: int,
+                                    error_feedback: bool, stats: CommStats) -> dict[str, SquinchReplicateHook]:
+    """Install a :class:`SquinchReplicateHook` over ``group`` on every FSDP2 module inside ``model`` (``model``
+    included), which must be sharded without a replicate dimension (``fully_shard`` on a 1-D mesh: the hook
+    replaces native HSDP's all-reduce). Returns the hooks by their module's FQN in ``model``."""
+    _check_options(min_numel, stats)
+    if not hasattr(FSDPModule, "set_all_reduce_hook"):
+        raise RuntimeError(f"Squinch on HSDP's replicate dimension needs FSDPModule.set_all_reduce_hook, "
+                           f"missing in torch {torch.__version__}")
+    modules = {name: m for name, m in model.named_modules() if isinstance(m, FSDPModule)}
+    if not modules:
+        raise ValueError("install_squinch_replicate_hooks: no FSDP2 module (fully_shard) found inside the model")
+    for name, module in modules.items():
+        if any(isinstance(p, DTensor) and p.device_mesh.ndim >= 2 and isinstance(p.placements[0], Replicate)
+               for p in module.parameters(recurse=False)):
+            raise ValueError(f"install_squinch_replicate_hooks: module {name or '<root>'} is native HSDP (its "
+                             f"all-reduce would run uncompressed before the hook); shard it over dp_shard alone")
+    hooks = {name: SquinchReplicateHook(group, min_numel, error_feedback, stats) for name in modules}
+    for name, module in modules.items():
+        module.set_all_reduce_hook(hooks[name])
+    return hooks
 
 
 def register_squinch_ddp_hook(model: DistributedDataParallel, process_group: dist.ProcessGroup | None, *,
@@ -336,110 +407,3 @@ def apply_squinch_fsdp(model: nn.Module, *, min_numel: int, error_feedback: bool
         logger.warning("Squinch on HSDP: FSDP2 in torch %s has no custom all-reduce for the replicate "
                        "dimension, so that all-reduce stays uncompressed", torch.__version__)
     return installed
-
-
-@dataclass
-class GradientCompression:
-    """What :func:`apply_gradient_compression` installed. ``after_backward``, when set, must run once the
-    last micro-batch's backward is done and before the gradients are read (HSDP's replicate all-reduce).
-
-    ``all_reduces`` and ``reduce_scatters`` hold the installed compressors under stable names, so that
-    :meth:`residual_state` / :meth:`load_residual_state` can carry this rank's error-feedback residuals
-    through a checkpoint. Names: ``ddp/<param FQN>`` and ``replicate/<param FQN>`` (the all-reduce
-    residuals, one per parameter), ``fsdp/<FSDP module FQN>`` (one per reduce-scatter), each after
-    ``part<i>/`` when there are several model parts (pipeline stages). The residuals are only meaningful
-    under the same parallel layout: the caller checks that before loading.
-    """
-
-    after_backward: Callable[[], None] | None = None
-    # (name prefix, state, {parameter: FQN}) per compressed all-reduce.
-    all_reduces: list[tuple[str, _AllReduceState, dict[torch.Tensor, str]]] = field(default_factory=list)
-    reduce_scatters: dict[str, tuple[SquinchReduceScatter, torch.device]] = field(default_factory=dict)
-
-    def residual_state(self) -> dict[str, torch.Tensor]:
-        """This rank's error-feedback residuals by name, copied to the CPU (empty before the first step)."""
-        out = {}
-        for prefix, state, names in self.all_reduces:
-            out.update({prefix + names[param]: r.detach().to("cpu", copy=True) for param, r in state.residuals.items()})
-        for name, (reduce_scatter, _) in self.reduce_scatters.items():
-            if reduce_scatter.residual is not None:
-                out[name] = reduce_scatter.residual.detach().to("cpu", copy=True)
-        return out
-
-    def load_residual_state(self, residuals: dict[str, torch.Tensor]) -> None:
-        """Replace the residuals with ``residuals`` (from :meth:`residual_state` under the same layout);
-        the ones not named there restart from zero."""
-        known = set()
-        for prefix, state, names in self.all_reduces:
-            state.residuals = {}
-            for param, fqn in names.items():
-                known.add(prefix + fqn)
-                if (r := residuals.get(prefix + fqn)) is not None:
-                    local = param.to_local() if isinstance(param, DTensor) else param
-                    if r.numel() != local.numel():
-                        raise ValueError(f"error-feedback residual {prefix + fqn}: {r.numel()} values for a "
-                                         f"parameter of {local.numel()} on this rank")
-                    state.residuals[param] = r.to(device=local.device, dtype=torch.float32).reshape(-1)
-        for name, (reduce_scatter, device) in self.reduce_scatters.items():
-            known.add(name)
-            r = residuals.get(name)
-            reduce_scatter.residual = None if r is None else r.to(device=device, dtype=torch.float32)
-        if unknown := sorted(set(residuals) - known):
-            raise ValueError(f"error-feedback residuals of unknown tensors: {unknown[:5]}")
-
-
-def _param_names(part: nn.Module) -> dict[torch.Tensor, str]:
-    return {param: name for name, param in part.named_parameters()}
-
-
-def replicate_all_reduce_replaced(comm, dims) -> bool:
-    """True when HSDP's all-reduce over ``dp_replicate`` goes through Squinch: the model is then sharded
-    over ``dp_shard`` alone (not as native HSDP) and :class:`SquinchReplicateAllReduce` averages replicas."""
-    return comm.gradient_compression == "squinch" and dims.fsdp_enabled and dims.dp_replicate > 1
-
-
-def apply_gradient_compression(model_parts: Sequence[nn.Module], comm, dims, stats: CommStats,
-                               log: Callable[[str], None] = print) -> GradientCompression | None:
-    """Install the gradient compression that ``comm`` (the ``[comm]`` config section) asks for.
-
-    ``model_parts`` are the trainer's model parts after data parallelism was applied (``fully_shard``
-    modules, or ``DistributedDataParallel`` wrappers when ``dims.ddp_enabled``); ``dims`` is the trainer's
-    ``ParallelDims``. Returns None when there is nothing to compress (the reason is logged once through
-    ``log``); otherwise the gradient reductions now go through Squinch and count into ``stats``.
-    """
-    if comm.gradient_compression == "none":
-        return None
-    if comm.gradient_compression != "squinch":
-        raise ValueError(f"comm.gradient_compression = {comm.gradient_compression!r}: expected 'none' or 'squinch'")
-    options = {"min_numel": comm.min_numel, "error_feedback": comm.error_feedback, "stats": stats}
-    settings = f"min_numel {comm.min_numel}, error feedback {comm.error_feedback}"
-    prefixes = [f"part{i}/" if len(model_parts) > 1 else "" for i in range(len(model_parts))]
-    compression = GradientCompression()
-    if dims.ddp_enabled:
-        group = dims.submesh("dp").get_group()
-        for prefix, part in zip(prefixes, model_parts, strict=True):
-            state = register_squinch_ddp_hook(part, group, **options)
-            compression.all_reduces.append((f"{prefix}ddp/", state, _param_names(part)))
-        log(f"gradient compression: Squinch on the DDP all-reduce over {dims.dp} ranks ({settings})")
-        return compression
-    if not dims.fsdp_enabled:
-        log("gradient compression: comm.gradient_compression = 'squinch' has nothing to compress "
-            "(no data-parallel degree > 1, so no gradient reduction)")
-        return None
-    if dims.dp_shard > 1:  # FSDP2 skips the reduce-scatter of a one-rank shard group
-        for prefix, part in zip(prefixes, model_parts, strict=True):
-            for fqn, reduce_scatter in apply_squinch_fsdp(part, **options).items():
-                param = next(part.get_submodule(fqn).parameters(), None)
-                device = param.device if param is not None else torch.device("cpu")
-                compression.reduce_scatters[f"{prefix}fsdp/{fqn}"] = (reduce_scatter, device)
-    if replicate_all_reduce_replaced(comm, dims):
-        params = [p for part in model_parts for p in part.parameters()]
-        replicate = SquinchReplicateAllReduce(params, dims.submesh("dp_replicate").get_group(), **options)
-        compression.after_backward = replicate
-        names = {p: prefix + "replicate/" + n for prefix, part in zip(prefixes, model_parts, strict=True)
-                 for p, n in _param_names(part).items()}
-        compression.all_reduces.append(("", replicate.state, names))
-    log(f"gradient compression: Squinch on the FSDP2 reduce-scatter over dp_shard = {dims.dp_shard} ranks"
-        f"{f' and the all-reduce over dp_replicate = {dims.dp_replicate}' if dims.dp_replicate > 1 else ''} "
-        f"({settings})")
-    return compression

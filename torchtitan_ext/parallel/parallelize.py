@@ -7,11 +7,11 @@ import logging
 
 import torch.nn as nn
 
-from torchtitan_ext.comm.compressed_collectives import replicate_all_reduce_replaced
 from torchtitan_ext.config.job_config import JobConfig
 from torchtitan_ext.models.mode import MoDE
 from torchtitan_ext.parallel.activation_checkpoint import apply_activation_checkpointing
 from torchtitan_ext.parallel.compile import apply_compile
+from torchtitan_ext.parallel.compression import replicate_all_reduce_replaced
 from torchtitan_ext.parallel.dims import ParallelDims
 from torchtitan_ext.parallel.ep import apply_ep
 from torchtitan_ext.parallel.fsdp import DTYPES, apply_fsdp
@@ -45,7 +45,7 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, cfg: JobConfig, on
         param_dtype = DTYPES[cfg.training.mixed_precision_param] if on_gpu and dims.fsdp_enabled \
             else DTYPES["float32"]  # without FSDP the blocks run under autocast
         # Native HSDP on a 2-D mesh, unless Squinch replaces its replicate all-reduce (then FSDP shards over
-        # dp_shard alone and the trainer averages the replicas after the backward pass).
+        # dp_shard alone and per-module all-reduce hooks average the replicas: parallel/compression.py).
         hsdp = dims.dp_replicate > 1 and not replicate_all_reduce_replaced(cfg.comm, dims)
 
         def dp_mesh(shard_dim: str):  # HSDP replicates over dp_replicate too
