@@ -7,6 +7,7 @@ returns, so a rank can show that it read only its share."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -64,6 +65,11 @@ def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     from safetensors.torch import save_file
 
     save_file(tensors, str(path), metadata={"format": "pt"})
+    # safetensors writes through a private temporary file (mode 0600): give the shard the mode open() would,
+    # so that an export is readable by whoever the umask lets read the rest of the folder
+    mask = os.umask(0o022)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
 
 
 def write_index(folder: Path, weight_map: dict[str, str], total_size: int) -> None:
