@@ -47,14 +47,20 @@ def _assert_matches_reference(reference: list[dict], got: list[dict]) -> None:
         assert g["moe/layers.0/imbalance"] == r["moe/layers.0/imbalance"]  # loads summed over every slice
 
 
-@pytest.mark.parametrize("name", sorted(LAYOUTS))
+# 8 processes, and FSDP2 x TP2 whose parts run in CI (tp2 here, fsdp2_ep2_tp2 shards the same MoDE parameters
+# over dp x tp): the slow tier.
+SLOW_LAYOUTS = {"fsdp2_tp2", "hsdp2_fsdp2_ep2_tp2"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_LAYOUTS else n
+                                  for n in sorted(LAYOUTS)])
 def test_mode_under_tp_matches_one_process(reference, tmp_path, name):
     nproc, overrides = LAYOUTS[name]
     run_trainer(tmp_path, nproc, *MODE, *overrides)
     _assert_matches_reference(reference, read_metrics(tmp_path))
 
 
-@pytest.mark.parametrize("name", ["tp2", "fsdp2_ep2_tp2"])
+@pytest.mark.parametrize("name", ["tp2", pytest.param("fsdp2_ep2_tp2", marks=pytest.mark.slow)])
 def test_compiled_mode_under_tp_matches_one_process(reference, tmp_path, monkeypatch, name):
     """Compiled, a MoDE block under TP or EP runs its experts eagerly between graphs (parallel/compile.py).
     The job runs twice on one inductor cache: a warm cache once gave TP ranks wrong gradients."""

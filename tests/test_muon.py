@@ -159,6 +159,7 @@ def test_muon_fsdp2_tp2_equal_one_process_and_resume(tmp_path):
         assert again[step] == fsdp[step], step
 
 
+@pytest.mark.slow
 def test_muon_reaches_adamw_300_step_loss_sooner(tmp_path):
     """Each optimizer at its better learning rate of {3e-3, 1e-2} (AdamW) / {1e-2, 2e-2} (Muon), measured by
     hand; the 20-step mean training loss is compared (single-batch losses are noisy)."""

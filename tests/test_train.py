@@ -70,7 +70,7 @@ def test_exact_resume(single, tmp_path):
         assert abs(resumed[step] - ref[step]) <= 1e-6, step
 
 
-@pytest.mark.parametrize("nproc, local_batch", [(1, "4"), (4, "1")])
+@pytest.mark.parametrize("nproc, local_batch", [(1, "4"), pytest.param(4, "1", marks=pytest.mark.slow)])
 def test_reshard_2_to_n(fsdp2, tmp_path, nproc, local_batch):
     resumed = _resume_from(fsdp2, 10, tmp_path, nproc, "--training.local_batch_size", local_batch)
     ref = losses(fsdp2)
