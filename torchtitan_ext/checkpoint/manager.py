@@ -73,7 +73,14 @@ from torchtitan_ext.checkpoint.integrity import (
     read_manifest,
     write_manifest,
 )
-from torchtitan_ext.checkpoint.run_folder import STEP_DIR, os_error_text, published_steps, unique, utc_stamp
+from torchtitan_ext.checkpoint.run_folder import (
+    STEP_DIR,
+    os_error_text,
+    published_steps,
+    read_identity,
+    unique,
+    utc_stamp,
+)
 from torchtitan_ext.config.job_config import CheckpointSection
 from torchtitan_ext.errors import ConfigError, UserError
 
@@ -159,14 +166,18 @@ def config_changes(dump: Path, job: Any, prefixes: tuple[str, ...] = SHAPING_KEY
         before = tomllib.loads((dump / "config.toml").read_text())
     except (OSError, ValueError):
         return []
+    resolved = (read_identity(dump) or {}).get("model", {})  # the model the flavor gave, for keys left at 0 / ""
     lines = []
     for section in dataclasses.fields(job):
         for key, value in dataclasses.asdict(getattr(job, section.name)).items():
             value = "" if value is None else value  # as config.toml writes an unset tri-state key
             name, old = f"{section.name}.{key}", before.get(section.name, {}).get(key, value)
-            if old != value and name.startswith(prefixes):
-                lines.append(f"{name} changed since the last start ({json.dumps(old)} -> {json.dumps(value)}): "
-                             f"set {name} = {json.dumps(old)} to resume it")
+            if old == value or not name.startswith(prefixes):
+                continue
+            if section.name == "model" and old in (0, -1, "") and resolved.get(key) is not None:
+                old = resolved[key]  # "0" is "the flavor's": say the value it was
+            lines.append(f"{name} changed since the last start ({json.dumps(old)} -> {json.dumps(value)}): "
+                         f"set {name} = {json.dumps(old)} to resume it")
     return lines
 
 
@@ -192,7 +203,11 @@ def load_on_one_process(state: dict, checkpoint: Path, advice: str = "name an ea
 
 
 def unreadable_reason(e: BaseException) -> str:
-    """One line on why ``dcp.load`` failed (its CheckpointException is a BaseException with a long text)."""
+    """One line on why ``dcp.load`` failed (its CheckpointException is a BaseException with a long text: the
+    first rank's own exception is said instead)."""
+    if isinstance(e, CheckpointException) and e.failures:
+        failure = next(iter(e.failures.values()))
+        e = failure[0] if isinstance(failure, tuple) else failure
     return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
 
 
