@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from trainer_utils import run_trainer
 
-import torchtitan_ext.data.prepare.__main__ as prep
+import torchtitan_ext.tools.prepare as prep
 from torchtitan_ext.data.filters import SHINGLE, NearDuplicates
-from torchtitan_ext.data.prepare.__main__ import perplexity_scores
 from torchtitan_ext.data.shards import read_shard
 from torchtitan_ext.data.tokenizers import ByteTokenizer
+from torchtitan_ext.eval.load import perplexity_scores
 
 
 def _docs_of(out: Path) -> list[str]:

@@ -9,7 +9,7 @@
   at 0.8 and 0.12 at 0.6); a candidate pair is a duplicate when the signatures agree on more than 80% of
   their rows (estimated Jaccard > 0.8). The first document of a group is kept. Exact duplicates (same text)
   are caught before hashing and counted apart.
-- ``ppl``: a checkpoint of ours (loaded by the entry point, scored by ``model_scores``) scores each
+- ``ppl``: a checkpoint of ours (loaded by ``eval.load.perplexity_scores``, scored by ``model_scores``) scores each
   remaining document (mean next-token loss of its first ``ppl_max_tokens`` tokens, on GPU when present);
   documents above the ``ppl_percentile`` of the scores (Zen: 90th) are dropped.
 """
@@ -103,8 +103,8 @@ class NearDuplicates:
 
 def model_scores(texts: list[str], model, tok, device, max_tokens: int = 2048, batch_size: int = 16) -> np.ndarray:
     """Mean next-token loss (nats) of each text under ``model`` (a Decoder on ``device``) with its tokenizer
-    ``tok``. The ``ppl`` filter takes a scorer (texts -> scores) that the entry point builds from a dump
-    folder with this function (``python -m torchtitan_ext.data.prepare``)."""
+    ``tok``. The ``ppl`` filter takes a scorer (texts -> scores) that ``eval.load.perplexity_scores`` builds
+    from a dump folder with this function (for ``python -m torchtitan_ext.data.prepare``)."""
     import torch
     import torch.nn.functional as F
 

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
 
 from torchtitan_ext.checkpoint.manager import complete_steps, load_on_one_process
 from torchtitan_ext.config.job_config import JobConfig
 from torchtitan_ext.config.loader import parse_args
+from torchtitan_ext.data.filters import model_scores
 from torchtitan_ext.data.registry import build_tokenizer
 from torchtitan_ext.data.tokenizers import RUN_FOLDER, load_tokenizer, read_meta
 from torchtitan_ext.errors import ConfigError
@@ -75,3 +78,28 @@ def load_trained(path: str | Path, device: str | torch.device = "cpu", cfg: JobC
     load_on_one_process({"model": state}, ckpt, "name an earlier step-N folder or set checkpoint.load_step")
     model.load_state_dict(state)
     return model.to(dtype).eval(), tok, cfg, ckpt
+
+
+def load_ema(model: Decoder, checkpoint: Path) -> bool:
+    """Copy the checkpoint's EMA weights into ``model`` (from :func:`load_trained`) when the job kept a started
+    EMA; whether it did."""
+    if not any(key.startswith("ema.") for key in dcp.FileSystemReader(str(checkpoint)).read_metadata()
+               .state_dict_metadata):
+        return False
+    shadow = {f"shadow.{n}": torch.empty_like(p, dtype=torch.float32) for n, p in model.named_parameters()}
+    state = {"ema": {"started": torch.tensor(0), **shadow}}
+    load_on_one_process(state, checkpoint)
+    if not int(state["ema"]["started"]):
+        return False
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(state["ema"][f"shadow.{n}"])
+    return True
+
+
+def perplexity_scores(texts: list[str], checkpoint: str, max_tokens: int = 2048) -> np.ndarray:
+    """Mean next-token loss (nats) of each text under a dump folder's model, with its own tokenizer (on GPU
+    when present): the scorer of ``data.prepare``'s ``ppl`` filter."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, tok, _, _ = load_trained(checkpoint, device)
+    return model_scores(texts, model, tok, device, max_tokens)

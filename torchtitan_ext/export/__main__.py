@@ -1,50 +1,9 @@
-"""Export a trained checkpoint as a Hugging Face folder (safetensors shards, config.json,
-generation_config.json, the tokenizer's files):
+"""``python -m torchtitan_ext.export``: a shim over ``torchtitan_ext/tools/export.py``."""
 
-    python -m torchtitan_ext.export --checkpoint outputs/debug --output hf/debug [--dtype float32]
-        [--max-shard-size 5GB] [--weights ema]
+from torchtitan_ext.cli import exit_now
+from torchtitan_ext.tools.export import main
 
-The architectures (a native transformers class, or our modeling file loaded with trust_remote_code=True)
-are described in ``torchtitan_ext/hf/architectures.py``. The checkpoint is read one shard at a time.
-"""
-
-from __future__ import annotations
-
-import sys
-
-import torch
-
-from torchtitan_ext import cli
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-def parser() -> cli.ArgumentParser:
-    p = cli.ArgumentParser(prog="python -m torchtitan_ext.export", description=__doc__)
-    p.add_argument("--checkpoint", required=True, help="dump folder (latest checkpoint) or a step-N folder")
-    p.add_argument("--output", required=True, help="new (or empty) folder for the Hugging Face files")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16", help="dtype of the tensors written")
-    p.add_argument("--max-shard-size", default="5GB",
-                   help="largest safetensors file (5GB, 500MB, 2MiB or bytes); one file when the model fits")
-    p.add_argument("--weights", choices=("model", "ema"), default="model",
-                   help="the trained weights, or the EMA's average (the run must have a started EMA)")
-    return p
-
-
-def _main(argv: list[str]) -> int:
-    from torchtitan_ext.export import export_run
-    from torchtitan_ext.hf.safetensors_io import parse_size
-
-    args = parser().parse_args(argv)
-    ckpt, result = export_run(args.checkpoint, args.output, dtype=DTYPES[args.dtype],
-                              max_shard_size=parse_size(args.max_shard_size), weights=args.weights)
-    print(f"exported {ckpt}{' (EMA weights)' if args.weights == 'ema' else ''} as {result.describe()}")
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    return cli.run_tool(_main, argv)
-
+__all__ = ["main"]
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

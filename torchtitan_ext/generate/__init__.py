@@ -1,1 +1,1 @@
-"""Text generation with a KV cache: the decoding in ``decoding.py``, the command line in ``__main__.py``."""
+"""Text generation with a KV cache: the decoding in ``decoding.py``, the command line in ``tools/generate.py``."""

@@ -1,5 +1,5 @@
 """Text generation with a KV cache: greedy, temperature and top-p sampling, batched prompts (the command
-line, ``__main__.py``, runs :func:`complete`).
+line, ``tools/generate.py``, runs :func:`complete`).
 
 The cached forward walks the Decoder's own modules (embedding, each block's norms, projections, QK-norm,
 RoPE, attention scale, FFN or MoDE, residual scalars, final norm, muP's output multiplier, head, soft-cap;

@@ -1,1 +1,1 @@
-"""Memory and communication planner: the figures in ``estimate.py``, the command line in ``__main__.py``."""
+"""Memory and communication planner: the figures in ``estimate.py``, the command line in ``tools/plan.py``."""

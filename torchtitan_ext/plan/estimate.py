@@ -1,4 +1,4 @@
-"""The planner's figures (the command line, and what it prints, in ``__main__.py``). The model is built on the
+"""The planner's figures (the command line, and what it prints, in ``tools/plan.py``). The model is built on the
 meta device from the same config code as the trainer (``resolve_model_args``, ``ParallelDims``), so parameter
 shapes and the layout are the job's.
 

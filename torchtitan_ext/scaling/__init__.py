@@ -1,6 +1,6 @@
 """Scaling laws of this trainer's runs: L(N, D) = E + A / N^alpha + B / D^beta (Hoffmann et al. 2022, their
 third approach), fitted to (N, D, final validation loss) of a grid of runs; the compute-optimal N and D for a
-FLOP budget follow in closed form. The command line is ``__main__.py``; ``sweep.py`` runs the grid.
+FLOP budget follow in closed form. The command line is ``tools/scaling.py``; ``sweep.py`` runs the grid.
 
 N counts the non-embedding parameters a token goes through (``non_embedding_params``): the small models a
 sweep can afford are mostly vocabulary tables, which bend a law over total parameters (Kaplan et al. 2020).

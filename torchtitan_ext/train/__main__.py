@@ -1,77 +1,9 @@
-"""Entry point: ``python -m torchtitan_ext.train --config FILE [--section.key value ...]``.
+"""``python -m torchtitan_ext.train``: a shim over ``torchtitan_ext/tools/train.py``."""
 
-User mistakes (config, layout, data files) end with one ``error:`` line and exit code 2; a diverged
-run (NaN loss, or gradients non-finite for training.max_skipped_steps steps in a row) ends with exit
-code 3; a preempted run (SIGTERM / SIGUSR1) saves and ends with 0 (during start-up or resume: without writing
-anything); a resumed job with no step left to train ends with 0 and one line; anything else is a bug and
-keeps its traceback (``torchtitan_ext.cli.run_tool``).
+from torchtitan_ext.cli import exit_now
+from torchtitan_ext.tools.train import main
 
-Rank 0 logs to the console; every rank's output (log messages, warnings, a traceback) also goes to
-``<dump_folder>/logs/rank-<rank>.log``: rank 0's console through ``metrics.logger.rank_log``, the other
-ranks' log messages through their logging handler, their stdout and stderr through ``rank_log``.
-
-Before anything is written, the job claims the dump folder (``checkpoint.run_folder.claim``: probe, lock, no
-other run's files); a successful run leaves without interpreter teardown (``cli.exit_now`` says why).
-"""
-
-from __future__ import annotations
-
-import logging
-import os
-import sys
-from pathlib import Path
-
-import torch.distributed as dist
-
-from torchtitan_ext.cli import exit_now, run_tool, setup_logging
-from torchtitan_ext.config.loader import help_text, parse_args
-
-log = logging.getLogger("torchtitan_ext.train")
-
-
-def _train(argv: list[str]) -> int:
-    if "-h" in argv or "--help" in argv:
-        print(help_text())
-        return 0
-    cfg = parse_args(argv)
-    from torchtitan_ext.checkpoint.run_folder import NothingToTrain, claim
-    from torchtitan_ext.metrics.logger import rank_log
-    from torchtitan_ext.train.preemption import StartupInterrupted, raise_on_signal
-    from torchtitan_ext.train.trainer import Trainer
-
-    rank = int(os.environ.get("RANK", 0))
-    raise_on_signal()  # a signal before training begins: exit 0, nothing written
-    notes: list[str] = []
-    try:
-        lock = claim(cfg, rank, notes.append)  # before anything is written in the folder
-        try:
-            setup_logging(rank, Path(cfg.job.dump_folder) / "logs" / f"rank-{rank}.log")
-            with rank_log(cfg.job.dump_folder, rank):
-                for note in notes:
-                    log.info(note)
-                try:
-                    trainer = Trainer(cfg)
-                except (StartupInterrupted, NothingToTrain) as e:
-                    log.info(str(e))
-                    return 0
-                trainer.train()
-            if dist.is_initialized():
-                dist.barrier()  # gloo may abort at exit after FSDP2 work without it
-        finally:
-            if lock is not None:
-                lock.release()
-    except StartupInterrupted as e:  # before the logs were opened
-        log.info(str(e))
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Train; the exit code (the process group is destroyed either way)."""
-    return run_tool(_train, argv)
-
+__all__ = ["main"]
 
 if __name__ == "__main__":
-    code = main()
-    if code != 0:
-        sys.exit(code)
-    exit_now(0)
+    exit_now(main())

@@ -15,7 +15,6 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from torchtitan_ext.checkpoint.initial import load_initial_weights
 from torchtitan_ext.checkpoint.manager import CheckpointManager, ModelParts
 from torchtitan_ext.checkpoint.run_folder import (
     NothingToTrain,
@@ -42,6 +41,7 @@ from torchtitan_ext.parallel.pp import build_schedule
 from torchtitan_ext.quant.float8 import precompute_float8_scales
 from torchtitan_ext.train.attention_features import AttentionFeatures, pipeline_mask_args
 from torchtitan_ext.train.build import BuiltModel, BuiltRun, build_run, forward_context, pp_microbatches
+from torchtitan_ext.train.initial import load_initial_weights
 from torchtitan_ext.train.losses import cross_entropy_loss, fused_head_loss
 from torchtitan_ext.train.lr_schedule import lr_multiplier
 from torchtitan_ext.train.moe_balance import balance_experts, set_token_domains

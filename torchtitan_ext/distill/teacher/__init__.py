@@ -2,7 +2,7 @@
 ``training.seq_len + 1`` tokens, writing one sidecar per shard (distill/sidecar.py) with the Gumbel top-k of
 each position. Every window's noise comes from a generator seeded by (seed, shard, window), so a pass resumed
 after a crash (from the sidecar's windows-complete count) writes the same bytes. The command line that builds
-the teacher from its checkpoint is ``__main__.py``."""
+the teacher from its checkpoint is ``tools/teacher.py``."""
 
 from __future__ import annotations
 

@@ -1,1 +1,2 @@
-"""``python -m torchtitan_ext.mup.coord_check``: the command line of ``torchtitan_ext.mup.coord_check``."""
+"""``python -m torchtitan_ext.mup.coord_check``: the command line is ``tools/coord_check.py``, the check
+``torchtitan_ext.mup``."""

@@ -1,6 +1,6 @@
 """Weight export in 8 or 6 bits: every matrix quantised per row (symmetric, ``scale = absmax(row) /
 (2^(bits-1) - 1)``, rounded to the nearest level; 6-bit values packed 4 to 3 bytes), vectors (norms, scalars)
-kept in float32, one ``torch.save`` file. The command line is ``__main__.py``."""
+kept in float32, one ``torch.save`` file. The command line is ``tools/quant_export.py``."""
 
 from __future__ import annotations
 

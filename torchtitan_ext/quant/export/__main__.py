@@ -1,79 +1,9 @@
-"""``python -m torchtitan_ext.quant.export --checkpoint DUMP_FOLDER --bits 8|6 [--output FILE]``.
+"""``python -m torchtitan_ext.quant.export``: a shim over ``torchtitan_ext/tools/quant_export.py``."""
 
-Loads a job's latest checkpoint (its ``config.toml`` and ``checkpoint/``, saved under any layout) in one
-process, takes the EMA weights when the job kept an EMA, quantises them (``quant/export``) and reports the
-file's size against bf16 and the validation loss of the dequantised model against the original's.
-"""
+from torchtitan_ext.cli import exit_now
+from torchtitan_ext.tools.quant_export import main
 
-from __future__ import annotations
-
-import argparse
-import logging
-from pathlib import Path
-
-import torch
-import torch.distributed.checkpoint as dcp
-
-from torchtitan_ext.checkpoint.manager import load_on_one_process
-from torchtitan_ext.cli import exit_now, run_tool
-from torchtitan_ext.errors import ConfigError
-from torchtitan_ext.eval.load import load_trained
-from torchtitan_ext.eval.validation import evaluate_model, validation_streams
-from torchtitan_ext.quant.export import dequantize, export
-
-log = logging.getLogger("torchtitan_ext.quant.export")
-
-
-def _load_ema(model: torch.nn.Module, checkpoint: Path) -> bool:
-    """Copy the checkpoint's EMA weights into ``model`` when the job kept a started EMA."""
-    if not any(key.startswith("ema.") for key in dcp.FileSystemReader(str(checkpoint)).read_metadata()
-               .state_dict_metadata):
-        return False
-    shadow = {f"shadow.{n}": torch.empty_like(p, dtype=torch.float32) for n, p in model.named_parameters()}
-    state = {"ema": {"started": torch.tensor(0), **shadow}}
-    load_on_one_process(state, checkpoint)
-    if not int(state["ema"]["started"]):
-        return False
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.copy_(state["ema"][f"shadow.{n}"])
-    return True
-
-
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m torchtitan_ext.quant.export", exit_on_error=False)
-    p.add_argument("--checkpoint", required=True, help="a job's dump folder (config.toml + checkpoint/)")
-    p.add_argument("--bits", type=int, choices=(8, 6), default=8)
-    p.add_argument("--output", default="", help="default: <checkpoint>/export-int<bits>.pt")
-    args = p.parse_args(argv)
-    folder = Path(args.checkpoint)
-    if not (folder / "config.toml").is_file():
-        raise ConfigError(f"--checkpoint {folder}: no config.toml (expected a job's dump folder)")
-    model, tokenizer, cfg, checkpoint = load_trained(folder)
-    try:
-        streams = validation_streams(cfg)
-    except ConfigError:  # no validation split: the sizes alone are reported
-        streams = None
-
-    def val_loss() -> float | None:
-        return evaluate_model(model, tokenizer, cfg, streams)[0] if streams is not None else None
-
-    weights = "EMA" if _load_ema(model, checkpoint) else "trained"
-    original = val_loss()
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    out = Path(args.output or folder / f"export-int{args.bits}.pt")
-    torch.save(export(state, args.bits), out)
-    model.load_state_dict(dequantize(torch.load(out, weights_only=False)))
-    quantized = val_loss()
-    bf16 = sum(2 * t.numel() for t in state.values())
-    size = out.stat().st_size
-    log.info(f"export: {weights} weights of {checkpoint.name.replace('-', ' ')}, {args.bits}-bit per-row -> {out}: "
-             f"{size:,} bytes ({size / bf16:.3f} of bf16's {bf16:,})")
-    if original is not None:
-        log.info(f"validation loss: original {original:.4f}, dequantised {quantized:.4f} "
-                 f"(+{quantized - original:.4f})")
-    return 0
-
+__all__ = ["main"]
 
 if __name__ == "__main__":
-    exit_now(run_tool(main))
+    exit_now(main())
