@@ -1,0 +1,67 @@
+"""Bisect the compiled float8 experts' non-finite gradient norms (issue 40, deliverable 3; benchmarks/RESULTS.md,
+"Compiled float8 MoDE experts"): the job of ``test_gpu_trainer_mode_debug_float8_experts`` (mode_debug, one GPU,
+compiled, float8 linears + float8 experts, 30 steps) under each variant of the compiler, one process per variant,
+printing how many steps had their update skipped (a non-finite gradient norm).
+
+Variants (``python benchmarks/probe_float8_experts_compile.py [VARIANT ...]``, default all):
+  inductor         the trainer as it is (expected to reproduce: 5-19 skipped steps)
+  aot_eager        AOTAutograd's forward / backward graphs run eagerly: finite -> inductor's code generation
+  no_reuse         inductor without buffer reuse: finite -> a kernel reads memory it did not write
+  launch_blocking  CUDA_LAUNCH_BLOCKING=1: finite -> a race between streams
+  eager            no compile (the known-good reference)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+VARIANTS = ("inductor", "aot_eager", "no_reuse", "launch_blocking", "eager")
+JOB = ["--config", "train_configs/mode_debug.toml", "--parallelism.ep", "1", "--parallelism.dp_shard", "1",
+       "--data.tokenizer", "byte", "--checkpoint.enabled", "false", "--eval.steps", "0",
+       "--metrics.tensorboard", "false", "--training.steps", "30", "--metrics.log_freq", "5",
+       "--float8.enabled", "true", "--float8.experts", "true"]
+
+
+def _child(variant: str, argv: list[str]) -> int:
+    import torch
+
+    compile_ = torch.compile
+    if variant == "aot_eager":
+        def patched(model=None, **kwargs):
+            kwargs["backend"] = "aot_eager"
+            return compile_(model, **kwargs) if model is not None else compile_(**kwargs)
+        torch.compile = patched
+    if variant == "no_reuse":
+        torch._inductor.config.allow_buffer_reuse = False
+    from torchtitan_ext.tools.train import main
+    return main(argv)
+
+
+def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--child":
+        sys.exit(_child(sys.argv[2], sys.argv[3:]))
+    for variant in sys.argv[1:] or VARIANTS:
+        dump = Path(tempfile.mkdtemp(prefix=f"f8probe_{variant}_"))
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+        if variant == "launch_blocking":
+            env["CUDA_LAUNCH_BLOCKING"] = "1"
+        compiled = ["--training.compile", "false" if variant == "eager" else "true"]
+        proc = subprocess.run([sys.executable, __file__, "--child", variant, *JOB, *compiled,
+                               "--job.dump_folder", str(dump)], cwd=REPO, env=env, capture_output=True, text=True)
+        out = proc.stdout + proc.stderr
+        skipped = len(re.findall(r"update skipped", out))
+        losses = re.findall(r"loss[ :=]+([0-9.]+)", out)
+        print(f"{variant:16s} exit {proc.returncode}  skipped steps {skipped:2d}  last loss "
+              f"{losses[-1] if losses else '-'}", flush=True)
+        if proc.returncode not in (0, 3) and not skipped:
+            print(out[-2000:])
+
+
+if __name__ == "__main__":
+    main()
