@@ -14,7 +14,9 @@ import os
 import pytest
 import torch
 
-LONGEST_FIRST = ("test_mode_tp.py", "test_squinch_train.py", "test_train.py", "test_parallel.py", "test_distill.py")
+LONGEST_FIRST = ("test_mode_tensor_parallel.py", "test_parallel_layouts.py", "test_squinch_train.py",
+                 "test_expert_parallel.py", "test_bad_inputs_and_checkpoint_faults.py", "test_distill_runs.py",
+                 "test_train_fsdp_resume.py", "test_attention_feature_runs.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

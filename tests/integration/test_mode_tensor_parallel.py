@@ -5,7 +5,7 @@ and global batch).
 
 The Switch balancing loss is a product of per-group statistics, so it changes when a group of tokens is
 split; it is off here (the router z-loss, a mean over tokens, stays on). EP at the same data-parallel degree
-with the Switch loss on is covered in test_mode.py.
+with the Switch loss on is covered in test_expert_parallel.py.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import re
 import pytest
 from trainer_utils import read_metrics, run_trainer
 
-RTOL = 1e-5  # float32 sums in another order than one process (see test_parallel.py)
+RTOL = 1e-5  # float32 sums in another order than one process (see test_parallel_layouts.py)
 GN_RTOL = 1e-4
 MODE = ["--model.flavor", "mode_debug", "--model.aux_loss_coef", "0", "--training.steps", "4"]
 LAYOUTS = {  # name: (processes, overrides); 4 sequences per step in each

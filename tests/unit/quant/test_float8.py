@@ -30,7 +30,7 @@ from torchtitan_ext.quant import float8 as f8
 if TORCHAO_ERROR is None:
     from torchao.float8.float8_linear import Float8Linear
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 DEBUG = dataclasses.replace(FLAVORS["debug"], vocab_size=512, max_seq_len=64)  # dim 256, 2 KV heads of 64
 BLOCK = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
          "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")

@@ -30,7 +30,7 @@ from torchtitan_ext.models.flavors import FLAVORS
 from torchtitan_ext.quant import float8 as f8
 from torchtitan_ext.quant import float8_blockwise as bw
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 # The debug flavor widened so that its dims are multiples of 512 (4 blocks), except wk / wv (512 -> 256)
 DEBUG = dataclasses.replace(FLAVORS["debug"], vocab_size=512, max_seq_len=64, dim=512, n_heads=8, n_kv_heads=4,
                             ffn_hidden=1536)

@@ -26,7 +26,7 @@ from torchtitan_ext.models.mode import GroupedExperts, MoDE
 from torchtitan_ext.quant import float8_experts as f8e
 from torchtitan_ext.quant.float8 import MIN_CAPABILITY
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 E4M3 = torch.float8_e4m3fn
 # Empty groups (first, middle, last), groups already multiples of 16, one-row and odd groups.
 COUNTS = [[0, 16, 5, 0, 33, 1], [16, 32, 0, 48], [7, 0, 0, 0], [0, 0, 0, 0], [1, 2, 3, 40]]
