@@ -22,7 +22,7 @@ def opt(default, help: str, *, choices: tuple | None = None, min: float | None =
 class JobSection:
     dump_folder: str = opt("./outputs/default", "folder for checkpoints, TensorBoard, metrics.jsonl, config.toml "
                            "(train_configs/debug.toml: ./outputs/debug)")
-    description: str = opt("", "free text shown at start")
+    description: str = opt("", "free text, logged at the start of training (job: ...)")
     seed: int = opt(0, "seed of weights and data order", min=0)
     device: str = opt("auto", "auto: CUDA when present, else CPU", choices=("auto", "cpu", "cuda"))
     overwrite: bool = opt(False, "a job starting from step 0 in a dump folder that holds another run's checkpoints "

@@ -46,7 +46,7 @@ def _train(argv: list[str]) -> int:
         try:
             setup_logging(rank, Path(cfg.job.dump_folder) / "logs" / f"rank-{rank}.log")
             with rank_log(cfg.job.dump_folder, rank):
-                for note in notes:
+                for note in ([f"job: {cfg.job.description}"] if cfg.job.description else []) + notes:
                     log.info(note)
                 try:
                     trainer = Trainer(cfg)
