@@ -10,13 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from trainer_utils import run_trainer
 
 import torchtitan_ext.tools.prepare as prep
 from torchtitan_ext.data.filters import SHINGLE, NearDuplicates
 from torchtitan_ext.data.shards import read_shard
 from torchtitan_ext.data.tokenizers import ByteTokenizer
-from torchtitan_ext.eval.load import perplexity_scores
 
 
 def _docs_of(out: Path) -> list[str]:
@@ -116,28 +114,3 @@ def test_crash_resume_and_bad_input_keep_what_was_written(tmp_path, capsys, monk
     assert prep.main(["--input", str(tmp_path / "*.txt"), "--output", str(tmp_path / "q")]) == 0
     assert f"warning: {tmp_path / 'empty.txt'}: empty file, skipped" in capsys.readouterr().err
     assert _docs_of(tmp_path / "q") == ["fine now"]
-
-
-def test_ppl_filter_drops_the_shuffled_documents(tmp_path, capsys):
-    dump = tmp_path / "ref"
-    run_trainer(dump, 0, "--training.steps", "200", "--model.n_layers", "2", "--model.dim", "64",
-                "--training.local_batch_size", "8", "--checkpoint.enabled", "true", "--checkpoint.interval", "200")
-    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[20:38]
-    real = [f.read_text()[1000:2500] for f in files]
-    rng = random.Random(1)
-    shuffled = []
-    for text in real[:2]:
-        chars = list(text)
-        rng.shuffle(chars)  # byte tokens: the same unigram counts, no structure
-        shuffled.append("".join(chars))
-    docs = real[:9] + [shuffled[0]] + real[9:] + [shuffled[1]]
-    scores = perplexity_scores(docs, str(dump))
-    assert set(np.argsort(scores)[-2:]) == {9, 19}
-    with open(tmp_path / "in.jsonl", "w") as f:
-        f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
-    out = tmp_path / "out"
-    assert prep.main(["--input", str(tmp_path / "in.jsonl"), "--output", str(out), "--filters", "ppl",
-                      "--ppl-checkpoint", str(dump), "--ppl-percentile", "90"]) == 0
-    report = json.loads(next(x for x in capsys.readouterr().err.splitlines() if x.startswith("{")))
-    assert report["removed"] == {"ppl/above_percentile": 2}
-    assert _docs_of(out) == real
