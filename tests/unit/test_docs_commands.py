@@ -43,7 +43,7 @@ SLOW = (
     "lm_eval --model hf --model_args pretrained=hf/debug-fp32,dtype=float32,trust_remote_code=True,"
     "prefix_token_id=$EOT --tasks my_task --include_path my_tasks --batch_size 8 --log_samples --output_path results",
 )
-WALKTHROUGH = "tests/test_walkthrough.py runs exactly these lines on files it makes"
+WALKTHROUGH = "tests/integration/test_walkthrough.py runs exactly these lines on files it makes"
 DOCKER = "Docker: no engine here (docker/run.sh's arguments: tests/integration/test_docker_files.py)"
 NOT_IN_CI = {
     "git clone <this repository's URL> torchtitan_ext && cd torchtitan_ext": "network; CI runs in a clone",
