@@ -171,3 +171,57 @@ def test_integrity_note_claims_only_what_was_checked(base, tmp_path):
     assert "has no checksums and was loaded unverified" in m.integrity_note()
     m.folder = tmp_path
     assert m.integrity_note() == "no checkpoint has been saved"
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A real 6 MiB filesystem (tmpfs; CI runs as root), unmounted afterwards."""
+    import subprocess
+
+    mount = tmp_path / "fs"
+    mount.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mount)], capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {proc.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_full_disk_during_a_save_is_one_line(small_fs):
+    """A 200k-parameter model saves 2.7 MB a step: step-2 and step-4 fit, step-6 fills the filesystem. torch's
+    zip writer reports that as 'RuntimeError: unexpected pos'; the job still ends with the ENOSPC line, exit 2,
+    step-6.tmp removed, the earlier checkpoints matching their checksums."""
+    from torchtitan_ext.checkpoint.integrity import first_damage, read_manifest
+
+    dump = small_fs / "run"
+    proc = run_trainer(dump, 0, *CKPT, "--training.steps", "10", "--model.n_layers", "1", "--model.dim", "64",
+                       check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    folder = dump / "checkpoint"
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert errors == [f"error: saving checkpoint {folder}/step-6 failed: No space left on device (ENOSPC) at "
+                      f"{folder}/step-6.tmp; removed the partial step-6.tmp; the previous checkpoint "
+                      f"{folder}/step-4 is intact"], errors
+    assert sorted(p.name for p in folder.iterdir()) == ["step-2", "step-4"]
+    for step in (2, 4):
+        assert first_damage(folder / f"step-{step}", read_manifest(folder / f"step-{step}")) is None
+
+
+def test_rank_log_on_a_full_disk_never_raises(small_fs, capsys):
+    """Logging is not what crashes: the rank log's file failing with ENOSPC is said once on the console and
+    the console goes on."""
+    from torchtitan_ext.metrics.logger import rank_log
+
+    filler = small_fs / "filler"
+    with open(filler, "wb") as f, pytest.raises(OSError):
+        while True:
+            f.write(bytes(1 << 20))
+            f.flush()
+    with rank_log(str(small_fs / "run"), 0) as path:
+        print("x" * 8192)
+        print("the console goes on")
+    out = capsys.readouterr().out.splitlines()
+    assert out.count(f"warning: cannot write the rank log {path}: No space left on device (ENOSPC); logging to "
+                     f"the console only") == 1
+    assert out[-1] == "the console goes on"

@@ -39,8 +39,10 @@ the parallel layout, the model) are named with the value to set (``CheckpointMis
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
 import shutil
 import sys
 import warnings
@@ -140,6 +142,23 @@ def _os_error(e: BaseException) -> OSError | None:
                 return exc
     cause = e.__cause__ or e.__context__
     return _os_error(cause) if cause is not None else None
+
+
+def _no_space(tmp: Path) -> OSError | None:
+    """The OSError a save hid: torch's zip writer turns a full disk into ``RuntimeError: ... unexpected pos``.
+    A probe of 64 KiB written and synced beside the partial folder finds it; None when the probe succeeds."""
+    probe = tmp.parent / f".space-probe-{os.getpid()}"
+    try:
+        with open(probe, "wb") as f:
+            f.write(bytes(65536))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        return OSError(e.errno, e.strerror, str(tmp))
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink(missing_ok=True)
+    return None
 
 
 def interrupt_in(e: BaseException) -> BaseException | None:
@@ -414,7 +433,7 @@ class CheckpointManager:
         if (stop := interrupt_in(e)) is not None:
             shutil.rmtree(tmp, ignore_errors=True)
             return stop
-        err = _os_error(e)
+        err = _os_error(e) or _no_space(tmp)
         if err is None:
             return e
         shutil.rmtree(tmp, ignore_errors=True)

@@ -8,6 +8,7 @@ A resumed job redoes the steps after its checkpoint: their earlier records are d
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import logging
@@ -15,11 +16,13 @@ import sys
 import time
 import traceback
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 import torch
+
+from torchtitan_ext.errors import UserError
 
 if TYPE_CHECKING:
     from torchtitan_ext.metrics.wandb_sink import MetricsSink
@@ -45,6 +48,10 @@ def flops_per_token(active_params: int, n_layers: int, n_heads: int, head_dim: i
     forward and backward, plus 12 x layers x heads x head_dim x seq_len for attention scores and values
     (counted without the causal half, as in PaLM and torchtitan)."""
     return 6 * active_params + 12 * n_layers * n_heads * head_dim * seq_len
+
+
+class MetricsWriteFailed(UserError):
+    """metrics.jsonl cannot be written (a full disk, a read-only filesystem): one line, exit code 2."""
 
 
 class MetricsLogger:
@@ -80,7 +87,11 @@ class MetricsLogger:
             for k, v in values.items():
                 self.tb.add_scalar(k, v, step)
         if self.jsonl is not None:
-            self.jsonl.write(json.dumps({"step": step, "time": time.time(), **values}) + "\n")
+            try:
+                self.jsonl.write(json.dumps({"step": step, "time": time.time(), **values}) + "\n")
+            except OSError as e:
+                path, self.jsonl = self.jsonl.name, None
+                raise MetricsWriteFailed(f"writing {path} failed at step {step}: {os_error_text(e)}") from None
         for sink in self.sinks:
             sink.log(step, values)
         fields = [fmt.format(values[key]) for key, fmt in CONSOLE_FIELDS.items() if key in values]
@@ -103,7 +114,8 @@ class MetricsLogger:
         sinks, self.sinks = self.sinks, []
         for out in (self.tb, self.jsonl, *sinks):
             if out is not None:
-                out.close()
+                with contextlib.suppress(OSError):  # a full disk was said when the write failed
+                    out.close()
 
 
 def hms(seconds: float) -> str:
@@ -134,19 +146,37 @@ def step_records(path: Path) -> Iterator[tuple[str, dict]]:
 
 
 class _Tee(io.TextIOBase):
-    """A text stream that writes to the console stream and to a log file."""
+    """A text stream that writes to the console stream and to a log file. Logging is never what crashes: when
+    the file cannot be written (a full disk, a read-only filesystem), the console says so in one line and the
+    tee goes on with the console alone."""
 
-    def __init__(self, stream: TextIO, file: TextIO):
-        self.stream, self.file = stream, file
+    def __init__(self, stream: TextIO, file: TextIO, path: Path, failed: list[str]):
+        self.stream, self.file, self.path, self.failed = stream, file, path, failed
+
+    def _to_file(self, write: Callable[[], object], mid_line: bool = False) -> None:
+        if self.failed:
+            return
+        try:
+            write()
+        except OSError as e:
+            self.failed.append(os_error_text(e))
+            self.stream.write(f"{chr(10) if mid_line else ''}warning: cannot write the rank log {self.path}: "
+                              f"{self.failed[0]}; logging to the console only\n")
 
     def write(self, s: str) -> int:
         self.stream.write(s)
-        self.file.write(s)
+        self._to_file(lambda: self.file.write(s), mid_line=bool(s) and not s.endswith("\n"))
         return len(s)
 
     def flush(self) -> None:
         self.stream.flush()
-        self.file.flush()
+        self._to_file(self.file.flush)
+
+
+def os_error_text(e: OSError) -> str:
+    """``No space left on device (ENOSPC)``."""
+    code = errno.errorcode.get(e.errno, str(e.errno)) if e.errno else type(e).__name__
+    return f"{e.strerror or e} ({code})"
 
 
 @contextlib.contextmanager
@@ -154,16 +184,22 @@ def rank_log(dump_folder: str, rank: int) -> Iterator[Path]:
     """Within the block, copy this process's Python stdout and stderr (messages, warnings, and the traceback
     of an exception leaving the block) to ``<dump_folder>/logs/rank-<rank>.log``: the console shows rank 0,
     the files show every rank (the log messages of ranks > 0 reach their file through the logging handler
-    of ``cli.setup_logging``, not the console)."""
+    of ``cli.setup_logging``, not the console). A file that cannot be written is said once on the console and
+    left (``_Tee``); it never raises."""
     path = Path(dump_folder) / "logs" / f"rank-{rank}.log"
     path.parent.mkdir(parents=True, exist_ok=True)
     saved = sys.stdout, sys.stderr
-    with open(path, "a", buffering=1) as file:
-        sys.stdout, sys.stderr = _Tee(sys.stdout, file), _Tee(sys.stderr, file)
-        try:
-            yield path
-        except BaseException:
-            traceback.print_exc(file=file)  # the console gets it from the interpreter, once
-            raise
-        finally:
-            sys.stdout, sys.stderr = saved
+    failed: list[str] = []  # shared by both tees: the file is said to be broken once
+    file = open(path, "a", buffering=1)
+    sys.stdout, sys.stderr = _Tee(sys.stdout, file, path, failed), _Tee(sys.stderr, file, path, failed)
+    try:
+        yield path
+    except BaseException:
+        if not failed:
+            with contextlib.suppress(OSError):
+                traceback.print_exc(file=file)  # the console gets it from the interpreter, once
+        raise
+    finally:
+        sys.stdout, sys.stderr = saved
+        with contextlib.suppress(OSError):  # closing flushes: a full disk must not raise here either
+            file.close()
