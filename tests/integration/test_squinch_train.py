@@ -154,12 +154,15 @@ def test_hsdp_compresses_the_replicate_all_reduce_only(tmp_path: Path) -> None:
 EF = ["--comm.gradient_compression", "squinch", "--comm.error_feedback", "true"]
 EF_CKPT = ["--training.steps", "8", "--checkpoint.enabled", "true", "--checkpoint.interval", "4"]
 RESIDUALS = "squinch_residuals"
+# HSDP on 2 processes (dp_replicate 2 x dp_shard 1): the overlapped replicate hooks, residuals per module.
+RESUME_MODES = {**MODES, "hsdp": ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "1"]}
+RESIDUAL_PREFIX = {"fsdp": "fsdp/", "ddp": "ddp/", "hsdp": "replicate/"}
 
 
 def _straight_ef_run(dump: Path, mode: str) -> Path:
     # FSDP saves asynchronously (step 4's residuals are snapshotted at save time, published at step 8).
     extra = ["--checkpoint.async_mode", "async"] if mode == "fsdp" else []
-    run_trainer(dump, WORLD, *EF_CKPT, "--checkpoint.keep_latest_k", "0", *MODES[mode], *EF, *extra)
+    run_trainer(dump, WORLD, *EF_CKPT, "--checkpoint.keep_latest_k", "0", *RESUME_MODES[mode], *EF, *extra)
     return dump
 
 
@@ -173,6 +176,11 @@ def ef_ddp(tmp_path_factory) -> Path:
     return _straight_ef_run(tmp_path_factory.mktemp("ef_ddp"), "ddp")
 
 
+@pytest.fixture(scope="module")
+def ef_hsdp(tmp_path_factory) -> Path:
+    return _straight_ef_run(tmp_path_factory.mktemp("ef_hsdp"), "hsdp")
+
+
 def _resume_ef(straight: Path, dest: Path, nproc: int, *overrides: str, drop_residuals: bool = False):
     """Copy ``straight``'s step-4 checkpoint into ``dest`` and run on to step 8 there."""
     shutil.copytree(straight / "checkpoint" / "step-4", dest / "checkpoint" / "step-4")
@@ -181,22 +189,23 @@ def _resume_ef(straight: Path, dest: Path, nproc: int, *overrides: str, drop_res
     return run_trainer(dest, nproc, *EF_CKPT, *overrides)
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", list(RESUME_MODES))
 def test_error_feedback_resume_is_exact(request, tmp_path: Path, mode: str) -> None:
     """Every rank's residuals are in the checkpoint; resumed under the same layout, the run's losses are
-    bit for bit the uninterrupted run's (without the residuals they differ from step 6 on, see below)."""
+    bit for bit the uninterrupted run's (without the residuals they differ from step 6 on, see below). HSDP:
+    the overlapped replicate hooks' residuals, one per FSDP module."""
     straight = request.getfixturevalue(f"ef_{mode}")
     for step in (4, 8):
         for rank in range(WORLD):
             saved = torch.load(straight / "checkpoint" / f"step-{step}" / RESIDUALS / f"rank-{rank}.pt",
                                weights_only=True)
             assert saved["fingerprint"]["rank"] == rank and saved["fingerprint"]["world_size"] == WORLD
-            assert f"({mode})" in saved["fingerprint"]["layout"]
+            assert f"({'fsdp' if mode == 'hsdp' else mode})" in saved["fingerprint"]["layout"]
             names = list(saved["residuals"])
-            assert names and all(n.startswith(f"{mode}/") for n in names), names[:3]
+            assert names and all(n.startswith(RESIDUAL_PREFIX[mode]) for n in names), names[:3]
             assert all(r.isfinite().all() for r in saved["residuals"].values())
             assert any(r.abs().max() > 0 for r in saved["residuals"].values())
-    proc = _resume_ef(straight, tmp_path, WORLD, *MODES[mode], *EF)
+    proc = _resume_ef(straight, tmp_path, WORLD, *RESUME_MODES[mode], *EF)
     assert proc.stdout.count("error-feedback residuals restored from") == 1
     assert "restart from zero" not in proc.stdout
     ref, resumed = losses(straight), losses(tmp_path)
@@ -218,7 +227,7 @@ def test_checkpoint_without_residuals(ef_ddp: Path, tmp_path: Path) -> None:
 def test_other_layout_restarts_residuals(ef_fsdp: Path, tmp_path: Path) -> None:
     """FSDP (dp_shard 2) checkpoint resumed as HSDP with Squinch on the replicate all-reduce (dp_replicate 2):
     the layout fingerprint differs, so the residuals restart from zero (logged once); the new layout then
-    saves its own (per parameter, of the replicate all-reduce)."""
+    saves its own (per FSDP module, of the replicate all-reduce hooks)."""
     proc = _resume_ef(ef_fsdp, tmp_path, WORLD, "--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "1",
                       *EF)
     assert proc.stdout.count("error-feedback residuals restart from zero: layout changed") == 1

@@ -105,8 +105,9 @@ def _decode_rows(encoded: torch.Tensor, c: int) -> torch.Tensor:
 
 def _exchange_and_sum(rows: torch.Tensor, group: dist.ProcessGroup, dtype: torch.dtype, stats: CommStats,
                       residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Reduce-scatter of float32 ``rows`` (world, c) in Squinch bytes, row d to rank d: this rank's float32 sum
-    of the rows it received, and the new error-feedback residual (``None`` unless ``residual`` was given)."""
+    """Reduce-scatter of ``rows`` (world, c; float32, bf16 or fp16) in Squinch bytes, row d to rank d: this rank's
+    float32 sum of the rows it received, and the new error-feedback residual (``None`` unless ``residual``, a
+    float32 tensor, was given: then the rows are widened to float32 by the addition)."""
     if residual is not None:
         rows = rows + residual
     encoded = _encode_rows(rows)
@@ -159,7 +160,8 @@ def _bucket_slices(bucket: dist.GradBucket) -> list[tuple[torch.Tensor, int, int
 
 def _compressed_all_reduce(flat: torch.Tensor, group: dist.ProcessGroup, stats: CommStats, dtype: torch.dtype,
                            residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Average float32 ``flat`` over ``group`` in Squinch bytes; returns it and the new residual.
+    """Average ``flat`` (float32, or bf16 / fp16 without a residual) over ``group`` in Squinch bytes; returns
+    the float32 average and the new float32 residual.
 
     Every rank owns one chunk of whole blocks: an all-to-all hands it everyone's encoded copy of that chunk,
     which it decodes, sums in float32 and divides by the world size, re-encodes and all-gathers; every rank
@@ -282,7 +284,7 @@ class SquinchReplicateHook:
             dist.all_reduce(reduce_output, group=self.group)
             reduce_output.div_(world)
             return
-        flat = reduce_output.reshape(-1).float()
+        flat = reduce_output.reshape(-1)  # bf16 stays bf16 until the encoder widens it (exactly)
         residual = _error_feedback_residual(self.residual, flat) if self.error_feedback else None
         averaged, self.residual = _compressed_all_reduce(flat, self.group, self.stats, reduce_output.dtype,
                                                          residual)
@@ -372,12 +374,9 @@ class SquinchReduceScatter(_ReduceScatterBase):
             reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
             return reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
         world = group.size()
-        rows = input_tensor.view(world, -1).float()
-        residual = None
-        if self.error_feedback:
-            residual = self.residual
-            if residual is None or residual.shape != rows.shape or residual.device != rows.device:
-                residual = torch.zeros_like(rows)
+        # Encoded as it comes (bf16 too: the encoder widens exactly), no float32 copy of the whole gradient.
+        rows = input_tensor.view(world, -1)
+        residual = _error_feedback_residual(self.residual, rows) if self.error_feedback else None
         total, self.residual = _exchange_and_sum(rows, group, input_tensor.dtype, self.stats, residual)
         output_tensor.copy_(_apply_reduce_op(total, op, world).view_as(output_tensor))
         return None
