@@ -211,8 +211,8 @@ def test_shard_val_path_is_evaluated(tmp_path):
     assert vals[6] > records[-1]["loss"]  # measured on the val shard, not the training data
 
 
-@pytest.mark.slow
 def test_plain_ddp_matches_one_process(tmp_path):
+    """The trainer's only DDP (``parallelism.dp_mode = "ddp"``) check against one process: kept in CI."""
     run_trainer(tmp_path / "one", 0)
     run_trainer(tmp_path / "ddp", 2, "--parallelism.dp_mode", "ddp", "--training.local_batch_size", "2")
     ref, got = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "ddp")
