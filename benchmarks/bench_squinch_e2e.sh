@@ -6,7 +6,9 @@
 #
 # Usage from the repository root:  bash benchmarks/bench_squinch_e2e.sh [--smoke] [OUT_DIR]
 #   env: STEPS (30) LAYERS (4) SEQ (1024) BATCH (2) BUDGET_S (330: the second pair runs only if its
-#        predicted time fits what is left) PYTHON (python3)
+#        predicted time fits what is left) PYTHON (python3) PROFILE (0; 1: a torch.profiler trace of steps
+#        PROFILE_STEPS (20,21) per rank in each run's profile/ folder: encode / decode kernels, all-to-all and
+#        stream waits of the Squinch reduce-scatter against the bf16 one)
 #   --smoke: 2 gloo processes on CPU, the debug model, a few steps, to check the script itself.
 #
 # Pairs (FSDP first, then DDP when the budget allows):
@@ -44,6 +46,10 @@ fi
 COMMON=(--config train_configs/debug.toml --data.tokenizer byte --checkpoint.enabled false --eval.steps 0
         --metrics.tensorboard false --job.seed 0 --training.steps "$STEPS"
         --lr_scheduler.warmup_steps $(( STEPS / 10 )) --optimizer.lr 3e-4 "${SHAPE[@]}")
+if [[ "${PROFILE:-0}" == 1 ]]; then
+    IFS=, read -r p0 p1 <<< "${PROFILE_STEPS:-20,21}"
+    COMMON+=(--profiling.enabled true --profiling.start_step "$p0" --profiling.end_step "$p1")
+fi
 flags() {  # the overrides of one run
     case $1 in
         fsdp_bf16) echo "--parallelism.dp_mode fsdp --training.mixed_precision_reduce bfloat16" ;;
