@@ -13,7 +13,7 @@ from trainer_utils import read_metrics, run_trainer
 
 from torchtitan_ext.metrics.wandb_sink import RUN_ID_FILE
 
-MISSING = "metrics.wandb = true needs the wandb package: pip install 'torchtitan_ext[tracking]'"
+MISSING = "metrics.wandb = true needs the wandb package: pip install -e '.[tracking]'"
 
 
 def _records(path: Path):

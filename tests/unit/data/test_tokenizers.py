@@ -35,7 +35,7 @@ pytest.importorskip("tiktoken")
 TEXTS = [f"def func_{i}(x, y={i % 7}):\n    '''héllo wörld {i}: ñ 日本'''\n    return x * {i} + y  # note\n"
          for i in range(400)]
 SAMPLE = "def main(argv):\n    return 'héllo 日本' + str(len(argv))  # done\n\n"
-EXTRA_LINE = "pip install 'torchtitan_ext[data]'"
+EXTRA_LINE = "pip install -e '.[data]'"
 
 
 def make_hf(folder: Path, vocab_size: int = 300, config: bool = True, texts: list[str] = TEXTS) -> Path:

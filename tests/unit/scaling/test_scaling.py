@@ -107,7 +107,7 @@ def test_missing_extra_names_the_install(tmp_path, capsys, monkeypatch, module, 
     csv.write_text("params,tokens,loss\n" + "".join(f"{r.params},{r.tokens},{r.loss}\n" for r in _synthetic(0.001)))
     monkeypatch.setitem(sys.modules, module, None)  # import fails as if not installed
     assert main(["fit", "--input", str(csv), "--plot", str(tmp_path / "fit.png")]) == 2
-    assert capsys.readouterr().err.strip() == f"error: {message}: pip install 'torchtitan_ext[scaling]'"
+    assert capsys.readouterr().err.strip() == f"error: {message}: pip install -e '.[scaling]'"
 
 
 def test_width_overrides_keep_the_configs_shape():
