@@ -211,11 +211,11 @@ def test_shard_val_path_is_evaluated(tmp_path):
     assert vals[6] > records[-1]["loss"]  # measured on the val shard, not the training data
 
 
-def test_plain_ddp_matches_one_process(tmp_path):
-    """The trainer's only DDP (``parallelism.dp_mode = "ddp"``) check against one process: kept in CI."""
-    run_trainer(tmp_path / "one", 0)
+def test_plain_ddp_matches_one_process(tiny_one_process, tmp_path):
+    """The trainer's only DDP (``parallelism.dp_mode = "ddp"``) check against one process (the plain tiny job,
+    shared with the layout tests: integration/conftest.py): kept in CI."""
     run_trainer(tmp_path / "ddp", 2, "--parallelism.dp_mode", "ddp", "--training.local_batch_size", "2")
-    ref, got = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "ddp")
+    ref, got = read_metrics(tiny_one_process), read_metrics(tmp_path / "ddp")
     for r, g in zip(ref, got, strict=True):
         assert g["loss"] == pytest.approx(r["loss"], rel=1e-4)
         assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-3)

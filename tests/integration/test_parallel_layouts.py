@@ -12,14 +12,13 @@ from trainer_utils import losses, read_metrics, run_trainer
 # to accumulated float32 rounding (about 1e-6 relative after 5 steps), not bit for bit.
 RTOL = 1e-5
 GN_RTOL = 1e-4
-STEPS = ["--training.steps", "5"]
+STEPS = ["--training.steps", "5"]  # trainer_utils.TINY's, spelled out
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    dump = tmp_path_factory.mktemp("one")
-    run_trainer(dump, 0, *STEPS)
-    return dump
+def reference(tiny_one_process):
+    """The one-process run of the same job (shared with the DDP test: integration/conftest.py)."""
+    return tiny_one_process
 
 
 def _compare(reference, dump):
