@@ -291,7 +291,8 @@ def communication(job: _Job) -> dict[str, float]:
         e_ring = (dims.dp_shard // dims.ep - 1) / (dims.dp_shard // dims.ep)
         gathered = stage * ring + experts * e_ring
         out["dp_shard all-gather (fwd + bwd, per micro-batch)"] = 2 * per_micro * gathered * act
-        out["dp_shard reduce-scatter"] = gathered * red * ratio
+        # Under HSDP Squinch compresses the replicate all-reduce only (parallel/compression.py).
+        out["dp_shard reduce-scatter"] = gathered * red * (ratio if dims.dp_replicate == 1 else 1.0)
     if dims.dp_replicate > 1:
         ring = (dims.dp_replicate - 1) / dims.dp_replicate
         out["dp_replicate all-reduce"] = 2 * (stage + experts * dims.ep) / dims.dp_shard * red * ring * ratio
