@@ -1,0 +1,104 @@
+"""Rows and the table of benchmarks/bench_layouts.sh, one JSON line per row.
+
+  python benchmarks/layouts_report.py row ROW RUN_FOLDER [--plan PLAN_TXT] [--wall S]
+        ROW = [tt_]MODEL_LAYOUT[_f8]; ours: RUN_FOLDER's metrics.jsonl (+ RUN_FOLDER.log), torchtitan: RUN_FOLDER.log
+        (benchmarks/scale_report.py reads both); --plan: the output of ``python -m torchtitan_ext.plan`` for the
+        row's arguments (its predicted peak, and its predicted step time or tokens/s where it prints one)
+  python benchmarks/layouts_report.py table SUMMARY_JSONL
+        the table: tokens/s per GPU, MFU, peak memory (ours: max allocated and reserved on rank 0; torchtitan
+        logs max reserved on rank 0), the planner's peak and its ratio to the measured one, ours / torchtitan for
+        rows measured by both, and each model's layouts ranked by measured (and, where printed, planned) speed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import scale_report  # noqa: E402  (this folder)
+
+PLAN_PEAK = re.compile(r"^\s*peak \(x[\d.]+ allocator slack\)\s+([\d.]+) ([KMG])iB", re.M)
+UNIT = {"K": 2**-20, "M": 2**-10, "G": 1}
+PLAN_STEP = re.compile(r"step time[^\d\n]*([\d.]+)\s*(ms|s)\b", re.I)
+PLAN_TPS = re.compile(r"([\d,]+(?:\.\d+)?)\s*tokens/s(?: per (?:GPU|device|rank))?", re.I)
+
+
+def parse_row(row: str) -> dict:
+    """``tt_8b_fsdp2_tp2_f8`` -> trainer torchtitan, model 8b, layout fsdp2_tp2, precision float8."""
+    trainer = "torchtitan" if row.startswith("tt_") else "ours"
+    rest = row.removeprefix("tt_")
+    precision = "float8" if rest.endswith("_f8") else "bf16"
+    model, _, layout = rest.removesuffix("_f8").partition("_")
+    return {"row": row, "trainer": trainer, "model": model, "layout": layout, "precision": precision}
+
+
+def parse_plan(text: str) -> dict:
+    out = {}
+    if m := PLAN_PEAK.search(text):
+        out["plan_peak_gib"] = round(float(m[1]) * UNIT[m[2]], 4)
+    if m := PLAN_STEP.search(text):
+        out["plan_step_s"] = float(m[1]) / (1000 if m[2] == "ms" else 1)
+    if m := PLAN_TPS.search(text):
+        out["plan_tokens_per_sec"] = float(m[1].replace(",", ""))
+    if not out and (err := [line for line in text.splitlines() if line.startswith("error:")]):
+        out["plan_error"] = err[0]
+    return out
+
+
+def row(argv: list[str]) -> dict:
+    name, folder = argv[0], Path(argv[1])
+    meta = parse_row(name)
+    if meta["trainer"] == "ours":
+        measured = scale_report.ours(folder, argv)
+    else:
+        measured = scale_report.tt(folder.name, folder.with_name(folder.name + ".log"), argv)
+    out = {**{k: v for k, v in measured.items() if k not in ("run", "trainer")}, **meta}
+    if "--plan" in argv and (plan := Path(argv[argv.index("--plan") + 1])).is_file():
+        out.update(parse_plan(plan.read_text(errors="replace")))
+        if "plan_peak_gib" in out and out.get("peak_memory_gib"):
+            out["plan_over_measured"] = round(out["plan_peak_gib"] / out["peak_memory_gib"], 3)
+    return out
+
+
+def _fmt(value, spec: str = "") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table(rows: list[dict]) -> str:
+    cols = ("row", "tok/s/GPU", "MFU", "peak GiB", "reserved", "plan GiB", "plan/meas", "vs tt", "rank", "plan rank")
+    tt = {(r["model"], r["layout"], r["precision"]): r for r in rows
+          if r.get("trainer") == "torchtitan" and r.get("tokens_per_sec_per_device")}
+    ranks, plan_ranks = {}, {}
+    for model in {r.get("model") for r in rows}:
+        ours = [r for r in rows if r.get("model") == model and r.get("trainer") == "ours"]
+        measured = sorted((r for r in ours if r.get("tokens_per_sec_per_device")),
+                          key=lambda r: -r["tokens_per_sec_per_device"])
+        ranks.update({r["row"]: i + 1 for i, r in enumerate(measured)})
+        planned = [r for r in measured if r.get("plan_tokens_per_sec") or r.get("plan_step_s")]
+        planned.sort(key=lambda r: -r["plan_tokens_per_sec"] if r.get("plan_tokens_per_sec") else r["plan_step_s"])
+        plan_ranks.update({r["row"]: i + 1 for i, r in enumerate(planned)})
+    lines = ["  ".join(f"{c:>12}" if i else f"{c:<28}" for i, c in enumerate(cols))]
+    for r in rows:
+        if "tokens_per_sec_per_device" not in r:
+            lines.append(f"{r.get('row', '?'):<28}  {r.get('error') or r.get('plan_error') or 'no result'}")
+            continue
+        anchor = tt.get((r["model"], r["layout"], r["precision"])) if r["trainer"] == "ours" else None
+        ratio = r["tokens_per_sec_per_device"] / anchor["tokens_per_sec_per_device"] if anchor else None
+        cells = (f"{r['tokens_per_sec_per_device']:,.0f}", _fmt(r.get("mfu"), ".1%"),
+                 _fmt(r.get("peak_memory_gib"), ".2f"), _fmt(r.get("peak_reserved_gib"), ".2f"),
+                 _fmt(r.get("plan_peak_gib"), ".2f"), _fmt(r.get("plan_over_measured"), ".3f"),
+                 _fmt(ratio, ".3f"), _fmt(ranks.get(r["row"])), _fmt(plan_ranks.get(r["row"])))
+        lines.append(f"{r['row']:<28}  " + "  ".join(f"{c:>12}" for c in cells))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 4 and sys.argv[1] == "row":
+        print(json.dumps(row(sys.argv[2:])), flush=True)
+    elif len(sys.argv) == 3 and sys.argv[1] == "table":
+        print(table([json.loads(line) for line in Path(sys.argv[2]).read_text().splitlines() if line.strip()]))
+    else:
+        sys.exit(__doc__)
