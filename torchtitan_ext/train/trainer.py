@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -29,6 +30,7 @@ from torchtitan_ext.checkpoint.run_folder import (
 )
 from torchtitan_ext.config.job_config import JobConfig
 from torchtitan_ext.config.loader import to_toml
+from torchtitan_ext.data.sources.domains import MixingLoader
 from torchtitan_ext.distill.student import Distillation
 from torchtitan_ext.errors import RunStopped
 from torchtitan_ext.eval.bpb import batch_sums, summarize, token_bytes
@@ -84,8 +86,8 @@ class Trainer:
         self.optimizers, self.spike_guard, self.nonfinite = tr.optimizers, tr.spike_guard, tr.nonfinite
         self.ema, self.compression, self.comm_stats = tr.ema, tr.compression, tr.comm_stats
         self.profiling = Profiling(cfg.profiling, cfg.job.dump_folder, self.rank, self.device, log.info)
-        self.token_bytes = token_bytes(self.tokenizer, self.model_args.vocab_size)  # for val_bpb
-        self.token_bytes = self.token_bytes.to(self.device) if self.token_bytes is not None else None
+        table = token_bytes(self.tokenizer, self.model_args.vocab_size)  # for val_bpb
+        self.token_bytes = table.to(self.device) if table is not None else None
         self.has_moe = self.model_args.n_experts > 0
         # Ranks that route different tokens through the MoDE layers: data-parallel ranks, and under TP each
         # TP rank's slice of the sequence; expert loads are summed over them.
@@ -97,11 +99,17 @@ class Trainer:
             if cfg.distill.path else None
         self.attn = AttentionFeatures(cfg, self.dims, self.model_parts, self.model_args.n_layers,
                                       run.data.documents)
-        self.pp_schedule = self._build_pipeline(run.model) if self.dims.pp > 1 else None
+        self.evaluating = False  # while evaluate() runs, the loss recipe scores plain cross-entropy
+        self.pp_schedule, self.pp_has_first, self.pp_has_last = self._build_pipeline(run.model) \
+            if self.dims.pp > 1 else (None, True, True)
         self.preemption = Preemption(self.device)
         self.last_eval_step, self.step, self._loss_scales = -1, 0, (1.0, 1.0)
         self.checkpointer = self._build_checkpointer()
-        self._resume()
+        started = self._resume()
+        self.metrics = MetricsLogger(cfg.job.dump_folder, self.rank, cfg.metrics.tensorboard, cfg.metrics.jsonl,
+                                     resume_step=self.step, total_steps=cfg.training.steps,
+                                     sinks=tracking_sinks(cfg, self.rank))
+        self._keep_identity(started)
         counts, a = run.model.counts, self.model_args
         active = counts["active"] - (0 if a.tie_embeddings else counts["embedding"])  # the lookup is no matmul
         self.flops_per_token = flops_per_token(active, a.n_layers, a.n_heads, a.hdim, cfg.training.seq_len)
@@ -115,13 +123,14 @@ class Trainer:
             return fused_head_loss(self.model_parts, self.dims, t.fused_linear_ce_chunk, self.model_args.logit_softcap)
         return torch.compile(cross_entropy_loss) if t.compile and not self.loss_parallel else cross_entropy_loss
 
-    def _build_pipeline(self, model: BuiltModel):
+    def _build_pipeline(self, model: BuiltModel) -> tuple[object, bool, bool]:
+        """(the schedule, whether this rank holds the first stage, whether it holds the last)."""
         p, n_stages = self.cfg.parallelism, self.dims.pp * self.cfg.parallelism.pp_virtual_stages
-        self.pp_has_first = any(sid == 0 for sid, _ in model.stages)
-        self.pp_has_last = any(sid == n_stages - 1 for sid, _ in model.stages)
-        return build_schedule(model.stages, n_stages, self.device, self.dims.submesh("pp").get_group(),
-                              p.pp_schedule, self.pp_microbatches, self._pipeline_loss,
-                              carry_mask=self.cfg.data.attention != "causal" or self.cfg.data.dataset == "chat")
+        schedule = build_schedule(model.stages, n_stages, self.device, self.dims.submesh("pp").get_group(),
+                                  p.pp_schedule, self.pp_microbatches, self._pipeline_loss,
+                                  carry_mask=self.cfg.data.attention != "causal" or self.cfg.data.dataset == "chat")
+        stage_ids = {sid for sid, _ in model.stages}
+        return schedule, 0 in stage_ids, n_stages - 1 in stage_ids
 
     def _build_checkpointer(self) -> CheckpointManager:
         """Model, optimizer, loader, this trainer's progress and the EMA; error-feedback residuals are
@@ -138,10 +147,10 @@ class Trainer:
         return CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, states, residuals=residuals, layout=layout,
                                  log=log.info)
 
-    def _resume(self) -> None:
-        """The latest complete checkpoint, else exported weights for a fresh job; then the metrics files, the
-        run's identity (run.json) and the resolved config. A signal before this point, or a resumed step with
-        nothing left to train, ends the job here with nothing written."""
+    def _resume(self) -> dict:
+        """The latest complete checkpoint, else exported weights for a fresh job; returns the run's identity
+        (run.json), written by ``_keep_identity`` once the metrics sinks have started. A signal before this
+        point, or a resumed step with nothing left to train, ends the job here with nothing written."""
         cfg, dump = self.cfg, Path(self.cfg.job.dump_folder)
         ident = identity(cfg, self.model_args, self.global_batch_size)
         saved = read_identity(dump) if would_resume(cfg) else None
@@ -166,12 +175,15 @@ class Trainer:
         if cfg.lr_scheduler.warmup_steps > t.steps and self.rank == 0:
             log.info(f"warning: lr_scheduler.warmup_steps = {cfg.lr_scheduler.warmup_steps} is longer than the "
                      f"run (training.steps = {t.steps}): the LR never reaches optimizer.lr = {cfg.optimizer.lr}")
-        self.metrics = MetricsLogger(cfg.job.dump_folder, self.rank, cfg.metrics.tensorboard, cfg.metrics.jsonl,
-                                     resume_step=self.step, total_steps=cfg.training.steps,
-                                     sinks=tracking_sinks(cfg, self.rank))
-        if self.rank == 0:  # only a config that passed every check above replaces the previous one
+        return ident
+
+    def _keep_identity(self, ident: dict) -> None:
+        """Rank 0 records the run's identity and resolved config: only a config that passed every check of the
+        start (the metrics sinks' included) replaces the previous one."""
+        if self.rank == 0:
+            dump = Path(self.cfg.job.dump_folder)
             write_identity(dump, ident, self.step)
-            keep_config(dump, to_toml(cfg))
+            keep_config(dump, to_toml(self.cfg))
 
     def _keep_token_position(self, saved: dict | None) -> None:
         """A changed training.seq_len: a loader that counts sequences (``{"position": n}``) moves to the
@@ -208,14 +220,23 @@ class Trainer:
         self.step = state["step"]
         self.spike_guard.load_state_dict(state["spike_guard"], self.step)
 
-    def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor,
+              teacher: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The one loss recipe, of the plain step, the pipeline's last stage and evaluation. Training:
+        cross-entropy with training.z_loss, plus the attention features' output term (0 in value: it adds
+        gradients only), mixed under distillation with the teacher's soft targets (``teacher``: the micro-batch's
+        under pipelining, else those of ``Distillation.set_batch``). Evaluation scores cross-entropy alone, on
+        every layout, as the eval tool does."""
+        if self.evaluating:
+            return self.loss_fn(logits, labels, 0.0)
+        loss = self.loss_fn(logits, labels, self.cfg.training.z_loss) + self.attn.output_term(logits)
+        return self.distill.mix(loss, logits, teacher) if self.distill is not None else loss
+
+    def _pipeline_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Per micro-batch on the last stage; the schedule averages over its micro-batches. With distillation
         the training labels arrive packed with their soft targets (``Distillation.pack``)."""
-        labels, teacher = self.distill.unpack(labels) if self.distill is not None else (labels, None)
-        loss = self.loss_fn(logits, labels, self.cfg.training.z_loss) + self.attn.output_term(logits)
-        if teacher is not None:
-            loss = self.distill.mix(loss, logits, teacher)
-        return loss / self.accum_steps
+        labels, teacher = self.distill.unpack(target) if self.distill is not None else (target, None)
+        return self._loss(logits, labels, teacher) / self.accum_steps
 
     def _loss_context(self) -> contextlib.AbstractContextManager:
         return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
@@ -232,14 +253,10 @@ class Trainer:
         sync = contextlib.nullcontext()
         if self.dims.ddp_enabled and not last_micro:
             sync = model.no_sync()
-        elif hasattr(model, "set_requires_gradient_sync"):
+        elif isinstance(model, FSDPModule):
             model.set_requires_gradient_sync(last_micro)
         with sync, forward_context(self.cfg, self.run.runtime), self._loss_context():
-            logits = model(inputs, **(model_kwargs or {}))
-            loss = self.loss_fn(logits, labels, self.cfg.training.z_loss)
-            loss = loss + self.attn.output_term(logits)  # exactly 0 in value: the reported loss is unchanged
-            if self.distill is not None:
-                loss = self.distill.mix(loss, logits)
+            loss = self._loss(model(inputs, **(model_kwargs or {})), labels)
             (loss / self.accum_steps).backward()
         return _plain(loss.detach())
 
@@ -353,17 +370,41 @@ class Trainer:
                 merged[key] = sum(values) / len(values)
         return merged
 
+    def _step_metrics(self, loss: float, grad_norm: float, lr: float, elapsed: float, window_steps: int,
+                      moe_metrics: dict[str, float]) -> dict[str, float]:
+        """What a logged step reports: loss, LR, gradient norm, throughput over the ``window_steps`` steps since
+        the last log (``elapsed`` seconds), MFU, peak memory, and the figures each pipeline stage measures on
+        its own layers (MoDE loads, attention features, distillation, gradient bytes per step)."""
+        tokens = self.batches.tokens_through(self.step)
+        tps = (tokens - self.batches.tokens_through(self.step - window_steps)) / elapsed
+        values = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_sec": tps,
+                  "skipped_steps": self.nonfinite.total, "tokens": tokens, "micro_batches": self.accum_steps,
+                  "tokens_per_sec_per_device": tps / self.dims.world_size,
+                  "lr_spike_factor": self.spike_guard.lr_factor(self.step)}
+        if self.peak_flops:
+            values["mfu"] = self.flops_per_token * tps / self.dims.world_size / self.peak_flops
+        if self.device.type == "cuda":
+            values["memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            values["memory_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+        stage_values = {**moe_metrics, **self.attn.metrics()}
+        if self.distill is not None:  # measured where the loss is: the last pipeline stage
+            stage_values.update(self.distill.metrics())
+        if self.comm_stats is not None:  # per step: compressed and uncompressed gradient bytes
+            stage_values.update({k: v / window_steps for k, v in self.comm_stats.as_dict().items()})
+            self.comm_stats.reset()
+        return {**values, **self._across_stages(stage_values)}
+
     @torch.no_grad()
-    def evaluate(self) -> float | None:
-        """Token-weighted validation loss over the validation split (every domain's, with data.domains).
-        ``self.eval_metrics`` gets val_bpb, per-domain val/loss/<d> and val/bpb/<d>, and the mixing weights
-        data/weight/<d> after adaptive mixing has updated them from these losses."""
-        self.eval_metrics: dict[str, float] = {}
+    def evaluate(self) -> dict[str, float]:
+        """The validation figures: val_loss, token-weighted over the validation split (every domain's, with
+        data.domains), val_bpb, per-domain val/loss/<d> and val/bpb/<d>, and the mixing weights data/weight/<d>
+        after adaptive mixing has updated them from these losses. Empty when there is nothing to evaluate."""
         if self.val_loader is None or self.cfg.eval.steps == 0:
-            return None
+            return {}
         if self.pp_schedule is not None and not hasattr(self.pp_schedule, "eval"):
             log.info("evaluation skipped: this torch's pipeline schedules have no eval()")
-            return None
+            return {}
+        self.evaluating = True
         for m in self.model_parts:
             m.eval()
         ema_weights = contextlib.ExitStack()  # eval.use_ema: the average stands in for the weights
@@ -381,19 +422,20 @@ class Trainer:
                 else:
                     with forward_context(self.cfg, self.run.runtime), self._loss_context():
                         logits = self.model_parts[0](inputs, **self.attn.model_kwargs(batch, self.device))
-                        loss = _plain(self.loss_fn(logits, labels, 0.0))
+                        loss = _plain(self._loss(logits, labels))
                 sums[row] += batch_sums(loss, labels, self.token_bytes)
         for m in self.model_parts:
             m.train()
+        self.evaluating = False
         ema_weights.close()
         if self.dims.dp > 1:
             dist.all_reduce(sums, group=self.dims.submesh("dp").get_group())
-        val, self.eval_metrics = summarize(list(loaders), sums)
-        if hasattr(self.loader, "update"):  # domain mixing: the adaptive update, then the weights in use
-            self.loader.update({k.removeprefix("val/loss/"): v for k, v in self.eval_metrics.items()
+        val, figures = summarize(list(loaders), sums)
+        if isinstance(self.loader, MixingLoader):  # the adaptive update, then the weights in use
+            self.loader.update({k.removeprefix("val/loss/"): v for k, v in figures.items()
                                 if k.startswith("val/loss/")})
-            self.eval_metrics.update(self.loader.weight_metrics())
-        return val
+            figures.update(self.loader.weight_metrics())
+        return {"val_loss": val, **figures}
 
     def train(self) -> None:
         """Train to ``training.steps``, then evaluate; the metrics files are closed and a pending async save
@@ -437,31 +479,12 @@ class Trainer:
             if log_now or eval_now:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize()
-                elapsed = time.perf_counter() - window_start
-                tokens = self.batches.tokens_through(self.step)
-                tps = (tokens - self.batches.tokens_through(self.step - window_steps)) / elapsed
-                values = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_sec": tps,
-                          "skipped_steps": self.nonfinite.total,
-                          "tokens": tokens, "micro_batches": self.accum_steps,
-                          "tokens_per_sec_per_device": tps / self.dims.world_size,
-                          "lr_spike_factor": self.spike_guard.lr_factor(self.step)}
-                if self.peak_flops:
-                    values["mfu"] = self.flops_per_token * tps / self.dims.world_size / self.peak_flops
-                if self.device.type == "cuda":
-                    values["memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-                    values["memory_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
-                stage_values = {**moe_metrics, **self.attn.metrics()}
-                if self.distill is not None:  # measured where the loss is: the last pipeline stage
-                    stage_values.update(self.distill.metrics())
-                if self.comm_stats is not None:  # per step: compressed and uncompressed gradient bytes
-                    stage_values.update({k: v / window_steps for k, v in self.comm_stats.as_dict().items()})
-                    self.comm_stats.reset()
-                values.update(self._across_stages(stage_values))
+                values = self._step_metrics(loss, grad_norm, lr, time.perf_counter() - window_start, window_steps,
+                                            moe_metrics)
                 if eval_now:
-                    values["val_loss"] = self.evaluate()
-                    values.update(self.eval_metrics)
+                    values.update(self.evaluate())
                     self.last_eval_step = self.step
-                self.metrics.log(self.step, {k: v for k, v in values.items() if v is not None})
+                self.metrics.log(self.step, values)
                 window_start, window_steps = time.perf_counter(), 0
             if preempted:  # every rank stops after this same step
                 if self.checkpointer.cfg.enabled:
@@ -474,7 +497,7 @@ class Trainer:
             if save_now:
                 self.checkpointer.save(self.step, wait=self.step == t.steps)
         self.checkpointer.finish_pending()
-        val = self.evaluate() if self.last_eval_step != self.step else None  # not twice for the last step
-        if val is not None:
-            log.info(f"validation loss {val:.4f}")
-            self.metrics.log(self.step, {"val_loss": val, **self.eval_metrics})
+        figures = self.evaluate() if self.last_eval_step != self.step else {}  # not twice for the last step
+        if figures:
+            log.info(f"validation loss {figures['val_loss']:.4f}")
+            self.metrics.log(self.step, figures)
