@@ -3,8 +3,8 @@ FSDP x TP (x PP), compiled, bf16, 20 steps; float8 with float8 all-gather; a DCP
 resumed at 2 and 1; one rank killed, torchrun restarts the job, which resumes with the same losses.
 
 All the module's jobs start together in one pool (nccl_utils.JobPool: several small jobs share each GPU),
-only those the selected tests need; the tests then compare what the jobs logged. The suite takes about three
-minutes on 4 H100s. A test needing more GPUs than the machine has skips, naming the count.
+only those the selected tests need; the tests then compare what the jobs logged. Expected: three to four
+minutes on 4 H100s (not yet measured). A test needing more GPUs than the machine has skips, naming the count.
 
 Tolerances (bf16, deterministic kernels): the one-GPU reference runs under bf16 autocast, FSDP layouts with
 bf16 parameters, and every layout sums in its own order, so losses agree to bf16 rounding amplified by 20
