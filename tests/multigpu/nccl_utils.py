@@ -227,11 +227,20 @@ def rel_diffs(ref: dict[int, float], got: dict[int, float]) -> dict[int, float]:
     return {s: abs(got[s] - ref[s]) / abs(ref[s]) for s in ref}
 
 
-def assert_close_losses(name: str, reference: Path, dump: Path, *, loss_rtol: float, mean_rtol: float,
-                        first_rtol: float, grad_norm_rtol: float, steps: list[int] | None = None) -> dict:
-    """Every step's loss within ``loss_rtol`` of the reference's (relative), their mean relative difference
-    within ``mean_rtol``, the first compared step's loss within ``first_rtol`` and its gradient norm within
-    ``grad_norm_rtol``. Returns (and reports) the differences."""
+# Bounds for float32 jobs, from the first run of the suite on 4 H100s (2026-11-27): over the first 4 steps every
+# layout's loss was within 4.9e-5 of one GPU's and its gradient norm within 5.8e-4; later the job's loss spikes
+# (lr 3e-3) amplify reduction-order differences, to at most 3.0e-2 at one step and 6e-3 on average over the run.
+# A fault in a layout's gradients shows from step 2 on, far above the early bounds.
+FLOAT32_TOL = {"early_steps": 4, "early_rtol": 2e-4, "early_grad_norm_rtol": 2e-3, "loss_rtol": 6e-2,
+               "mean_rtol": 1.2e-2}
+
+
+def assert_close_losses(name: str, reference: Path, dump: Path, *, early_steps: int, early_rtol: float,
+                        early_grad_norm_rtol: float, loss_rtol: float, mean_rtol: float,
+                        steps: list[int] | None = None) -> dict:
+    """Over the first ``early_steps`` compared steps, each loss within ``early_rtol`` of the reference's
+    (relative) and each gradient norm within ``early_grad_norm_rtol``; over all of them, each loss within
+    ``loss_rtol`` and the mean relative difference within ``mean_rtol``. Returns (and reports) the differences."""
     ref, got = read_metrics(reference), read_metrics(dump)
     ref_loss, got_loss = {r["step"]: r["loss"] for r in ref}, {r["step"]: r["loss"] for r in got}
     steps = steps or sorted(ref_loss)
@@ -239,15 +248,16 @@ def assert_close_losses(name: str, reference: Path, dump: Path, *, loss_rtol: fl
     diffs = rel_diffs({s: ref_loss[s] for s in steps}, got_loss)
     ref_gn = {r["step"]: r["grad_norm"] for r in ref}
     got_gn = {r["step"]: r["grad_norm"] for r in got}
-    first = steps[0]
+    early = steps[:early_steps]
     out = {"test": name, "max_loss_rel": max(diffs.values()), "mean_loss_rel": sum(diffs.values()) / len(diffs),
-           "first_loss_rel": diffs[first], "first_grad_norm_rel": abs(got_gn[first] - ref_gn[first]) / ref_gn[first],
+           "early_loss_rel": max(diffs[s] for s in early),
+           "early_grad_norm_rel": max(abs(got_gn[s] - ref_gn[s]) / ref_gn[s] for s in early),
            "last_loss": [ref_loss[steps[-1]], got_loss[steps[-1]]]}
     _report(out)
     table = "\n".join(f"step {s}: {ref_loss[s]:.5f} vs {got_loss[s]:.5f} (rel {diffs[s]:.2e}); grad norm "
                       f"{ref_gn[s]:.4f} vs {got_gn[s]:.4f}" for s in steps)
-    assert out["first_loss_rel"] <= first_rtol, f"{name}: first step\n{table}"
-    assert out["first_grad_norm_rel"] <= grad_norm_rtol, f"{name}: first step's gradient norm\n{table}"
+    assert out["early_loss_rel"] <= early_rtol, f"{name}: early losses\n{table}"
+    assert out["early_grad_norm_rel"] <= early_grad_norm_rtol, f"{name}: early gradient norms\n{table}"
     assert out["max_loss_rel"] <= loss_rtol, f"{name}: largest step difference\n{table}"
     assert out["mean_loss_rel"] <= mean_rtol, f"{name}: mean difference\n{table}"
     return out

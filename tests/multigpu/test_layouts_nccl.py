@@ -6,12 +6,12 @@ All the module's jobs start together in one pool (nccl_utils.JobPool: several sm
 only those the selected tests need; the tests then compare what the jobs logged. Expected: three to four
 minutes on 4 H100s (not yet measured). A test needing more GPUs than the machine has skips, naming the count.
 
-Tolerances (float32, deterministic kernels; nccl_utils.JOB says why not bf16): every layout sums in its own order,
-so losses agree to float32 rounding amplified by 20 steps of training, not bit for bit: the first step within
-FIRST_RTOL (forward pass only) and its gradient norm within GRAD_NORM_RTOL, each step within LOSS_RTOL, the mean
-over the steps within MEAN_RTOL. ``test_tolerance_rejects_other_data`` shows the same bounds reject a run that saw
-other data. A restart on the layout it was killed on agrees to SAME_LAYOUT_RTOL. Set ``MULTIGPU_REPORT=FILE`` for
-each comparison's largest differences as JSON lines (and each job's wall time).
+Tolerances (float32, deterministic kernels; nccl_utils.JOB says why not bf16; nccl_utils.FLOAT32_TOL gives the
+measured basis): every layout sums in its own order, so its losses agree with one GPU's to float32 rounding over the
+first steps, and within looser bounds over the whole run, where the job's loss spikes amplify the rounding.
+``test_tolerance_rejects_other_data`` shows the early bound rejects a run that saw other data. A restart on the
+layout it was killed on agrees to SAME_LAYOUT_RTOL at every step. Set ``MULTIGPU_REPORT=FILE`` for each
+comparison's largest differences as JSON lines (and each job's wall time).
 """
 
 from __future__ import annotations
@@ -31,16 +31,10 @@ import pytest
 
 pytestmark = pytest.mark.multigpu
 
-# Float32 jobs (nccl_utils.JOB): a layout differs from one GPU by its reduction order only.
-FIRST_RTOL = 1e-4
-GRAD_NORM_RTOL = 1e-3
-LOSS_RTOL = 5e-3
-MEAN_RTOL = 2e-3
 SAME_LAYOUT_RTOL = 1e-4
-TOL = {"first_rtol": FIRST_RTOL, "grad_norm_rtol": GRAD_NORM_RTOL, "loss_rtol": LOSS_RTOL, "mean_rtol": MEAN_RTOL}
-# Float8 runs in bf16 (float8 casts from bf16 parameters), and scales each rank's activations and gradients by
-# their own amax (one GPU: the whole batch's): bounds of bf16 rounding amplified by training, doubled.
-FLOAT8_TOL = {"first_rtol": 1e-2, "grad_norm_rtol": 6e-2, "loss_rtol": 6e-2, "mean_rtol": 2e-2}
+TOL = nu.FLOAT32_TOL
+# Not measured yet on the GPUs: step 1 only is held tight; bf16 trajectories drift apart (nccl_utils.JOB).
+FLOAT8_TOL = {"early_steps": 1, "early_rtol": 1e-2, "early_grad_norm_rtol": 6e-2, "loss_rtol": 0.5, "mean_rtol": 0.1}
 
 
 def _layout(nproc: int, dp_shard: int = 1, tp: int = 1, pp: int = 1, dp_replicate: int = 1,
@@ -180,10 +174,10 @@ def test_layout_matches_one_gpu(jobs, layout):
 
 def test_tolerance_rejects_other_data(jobs):
     """The bounds are tight enough to matter: one GPU reading the same corpus in another order (unshuffled)
-    falls outside them."""
+    falls outside the early window's bound."""
     ref, other = nu.losses(jobs["reference"].result()), nu.losses(jobs["other_data"].result())
     diffs = nu.rel_diffs(ref, other)
-    assert max(diffs.values()) > LOSS_RTOL or sum(diffs.values()) / len(diffs) > MEAN_RTOL, diffs
+    assert max(diffs[s] for s in sorted(diffs)[:TOL["early_steps"]]) > TOL["early_rtol"], diffs
 
 
 @pytest.mark.skipif(nu.ON_CPU > 0, reason="float8 needs an H100-class GPU")
