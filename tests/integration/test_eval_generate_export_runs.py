@@ -26,7 +26,7 @@ from torchtitan_ext.models.flavors import get_flavor
 # A Llama-shaped tiny model (the 1b flavor's features), trained 6 steps by 2 FSDP processes.
 LLAMA = ["--model.flavor", "1b", "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4",
          "--model.n_kv_heads", "2", "--model.ffn_hidden", "128", "--model.vocab_size", "320",
-         "--training.steps", "6", "--eval.steps", "50", "--checkpoint.enabled", "true", "--checkpoint.interval", "6"]
+         "--training.steps", "6", "--eval.steps", "100", "--checkpoint.enabled", "true", "--checkpoint.interval", "6"]
 
 
 def _cli(module: str, *args: str) -> subprocess.CompletedProcess:
@@ -55,15 +55,15 @@ def _random_model(seed: int = 0, **kw) -> Decoder:
 
 def test_val_bpb_on_bytes_and_eval_cli(trained, tmp_path):
     final = [r for r in map(json.loads, (trained / "metrics.jsonl").read_text().splitlines()) if "loss" not in r][-1]
-    # The validation windows (50 steps x 4 sequences of 64, split over the 2 ranks) score these targets; bytes exclude EOT.
+    # The validation windows (100 steps x 4 sequences of 64, split over the 2 ranks) score these targets; bytes exclude EOT.
     val = np.asarray(read_shard(next(TEST_CACHE.glob("stdlib_*_byte/val.bin"))))
-    targets = val[1:50 * 4 * 64 + 1]
+    targets = val[1:100 * 4 * 64 + 1]
     n_eot = int((targets == 256).sum())
     assert n_eot > 0
     expected = final["val_loss"] / math.log(2) * len(targets) / (len(targets) - n_eot)
     assert final["val_bpb"] == pytest.approx(expected, rel=1e-9)
     # The eval CLI on one process, non-overlapping windows over the same tokens: the trainer's numbers.
-    common = ["--config", str(trained / "config.toml"), "--eval.steps", "50"]  # 50 x 4 x 64: what the 2 ranks saw
+    common = ["--config", str(trained / "config.toml"), "--eval.steps", "100"]  # 100 x 4 x 64: what the 2 ranks saw
     out = _cli("torchtitan_ext.eval", *common)
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout)

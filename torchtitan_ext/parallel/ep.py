@@ -30,6 +30,7 @@ went on (benchmarks/RESULTS.md).
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -128,8 +129,6 @@ def plan_route(counts: torch.Tensor, ep: int, group: dist.ProcessGroup) -> Route
 class _RouteTape:
     """The routes of one checkpointed call, recorded by its forward and replayed by its recomputation."""
 
-    active: _RouteTape | None = None
-
     def __init__(self):
         self.routes: list[Route] = []
         self.replay_at: int | None = None
@@ -144,17 +143,20 @@ class _RouteTape:
         return route
 
 
+# The tape of the checkpointed call running now (its forward, or its recomputation in the backward's thread).
+_ACTIVE_TAPE: ContextVar[_RouteTape | None] = ContextVar("ep_route_tape", default=None)
+
+
 class _TapeContext:
     def __init__(self, tape: _RouteTape, replay: bool):
         self.tape, self.replay = tape, replay
 
     def __enter__(self):
-        self.outer = _RouteTape.active
-        _RouteTape.active = self.tape
+        self.token = _ACTIVE_TAPE.set(self.tape)
         self.tape.replay_at = 0 if self.replay else None
 
     def __exit__(self, *exc):
-        _RouteTape.active = self.outer
+        _ACTIVE_TAPE.reset(self.token)
         self.tape.replay_at = None
 
 
@@ -168,7 +170,7 @@ def recompute_contexts() -> tuple[_TapeContext, _TapeContext]:
 def _dispatch(module: GroupedExperts, inputs: tuple, mesh: DeviceMesh) -> tuple[torch.Tensor, torch.Tensor]:
     x, counts = inputs
     ep, group = mesh.size(), mesh.get_group()
-    tape = _RouteTape.active
+    tape = _ACTIVE_TAPE.get()
     route = plan_route(counts, ep, group) if tape is None else tape.next_route(counts, ep, group)
     if x.shape[0] != sum(route.send_splits):
         raise RuntimeError(f"expert parallelism: {x.shape[0]} routed rows, but the route sends "
