@@ -73,9 +73,10 @@ def test_adaptive_mixing_in_training_logs_resumes_exactly_and_matches_one_proces
     for step in (5, 6):
         assert resumed[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-6)
     assert resumed[6]["data/weight/d0"] == pytest.approx(ref[6]["data/weight/d0"], rel=1e-9)
-    # One process with the whole global batch sees the same data: the same losses.
+    # One process with the whole global batch sees the same data: the same losses. Its evaluation scores the
+    # same eval.steps x local_batch_size windows as the two ranks split between them: 1 x 8 = 2 x 4.
     one = tmp_path / "one"
-    run_trainer(one, 0, "--config", str(cfg), *MIX, "--training.local_batch_size", "8")
+    run_trainer(one, 0, "--config", str(cfg), *MIX, "--training.local_batch_size", "8", "--eval.steps", "1")
     for step, r in {r["step"]: r for r in read_metrics(one)}.items():
         assert r["loss"] == pytest.approx(ref[step]["loss"], rel=2e-4)
 
