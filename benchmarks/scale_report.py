@@ -221,7 +221,8 @@ def profile(trace_dir: Path, prefix: Path) -> None:
         lines.append(f"{k:36s} {v['ms']:9.2f} {v['calls']:6d}")
     lines += ["", "top kernels (ms/step, calls/step, %, category)"]
     for r in report["top_kernels"]:
-        lines.append(f"{r['ms_per_step']:9.3f} {r['calls_per_step']:5d} {r['pct']:5.1f}  {r['category']:28s} {r['name']}")
+        lines.append(f"{r['ms_per_step']:9.3f} {r['calls_per_step']:5d} {r['pct']:5.1f}  {r['category']:28s} "
+                     f"{r['name']}")
     for rank, r in others.items():
         lines.append(f"{rank}: busy {r['gpu_busy_ms_per_step']} ms/step " + json.dumps(r["categories_ms_per_step"]))
     prefix.with_suffix(".txt").write_text("\n".join(lines) + "\n")

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from torchtitan_ext.errors import RunStopped, UserError
+from torchtitan_ext.train.preemption import EXIT_INTERRUPTED
 
 EXIT_OK, EXIT_USER, EXIT_STOPPED = 0, 2, 3
 
@@ -41,11 +42,25 @@ def setup_logging(rank: int | None = None, log_file: str | Path | None = None) -
         handler: logging.Handler = _CurrentStream()
     elif log_file is not None:
         Path(log_file).parent.mkdir(parents=True, exist_ok=True)
-        handler = logging.FileHandler(log_file)
+        handler = _QuietFileHandler(log_file)
     else:
         handler = logging.NullHandler()
     handler.setFormatter(logging.Formatter("%(message)s"))
     logger.addHandler(handler)
+
+
+class _QuietFileHandler(logging.FileHandler):
+    """A rank's log file that never raises and prints no traceback when it cannot be written (a full disk):
+    the failure is said once on stderr and the rank carries on."""
+
+    failed = False
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if not self.failed:
+            self.failed = True
+            reason = sys.exc_info()[1]
+            print(f"warning: cannot write the log file {self.baseFilename} ({reason}); this rank's log stops here",
+                  file=sys.stderr, flush=True)
 
 
 class UsageError(UserError):
@@ -140,6 +155,13 @@ def run_tool(main: Callable[[list[str]], int | None], argv: list[str] | None = N
     except (UserError, FileNotFoundError, NotADirectoryError, argparse.ArgumentError, RunStopped) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_STOPPED if isinstance(e, RunStopped) else EXIT_USER
+    except OSError as e:  # a full disk, a read-only or forbidden path: the path and the system's reason
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"error: {where}{e.strerror or e}", file=sys.stderr, flush=True)
+        return EXIT_USER
+    except KeyboardInterrupt:  # Ctrl-C where the tool has not taken over the signal (imports, config parsing)
+        print("error: interrupted (SIGINT): stopped at once", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

@@ -55,7 +55,7 @@ def _random_model(seed: int = 0, **kw) -> Decoder:
 
 def test_val_bpb_on_bytes_and_eval_cli(trained, tmp_path):
     final = [r for r in map(json.loads, (trained / "metrics.jsonl").read_text().splitlines()) if "loss" not in r][-1]
-    # The validation windows (100 steps x 4 sequences of 64, split over the 2 ranks) score these targets; bytes exclude EOT.
+    # The validation windows (100 steps x 4 sequences of 64, split over the 2 ranks) score these; bytes exclude EOT.
     val = np.asarray(read_shard(next(TEST_CACHE.glob("stdlib_*_byte/val.bin"))))
     targets = val[1:100 * 4 * 64 + 1]
     n_eot = int((targets == 256).sum())

@@ -50,7 +50,7 @@ def _train(argv: list[str]) -> int:
                     log.info(note)
                 try:
                     trainer = Trainer(cfg)
-                except (StartupInterrupted, NothingToTrain) as e:
+                except NothingToTrain as e:
                     log.info(str(e))
                     return 0
                 trainer.train()
@@ -59,8 +59,9 @@ def _train(argv: list[str]) -> int:
         finally:
             if lock is not None:
                 lock.release()
-    except StartupInterrupted as e:  # before the logs were opened
+    except StartupInterrupted as e:  # a stop request (exit 0) or a second Ctrl-C (130), at any point
         log.info(str(e))
+        return e.exit_code
     return 0
 
 

@@ -298,8 +298,8 @@ class Trainer:
         self.nonfinite.record(queued.step, norm)
         if not math.isfinite(loss):
             raise TrainingDiverged(
-                f"step {queued.step}: loss is {loss}; stopping without saving (the latest checkpoint in "
-                f"{self.checkpointer.folder} is intact). Lower optimizer.lr or check the data.")
+                f"step {queued.step}: loss is {loss}; stopping without saving ({self.checkpointer.integrity_note()}). "
+                f"Lower optimizer.lr or check the data.")
         if self.spike_guard.observe(queued.step, loss):
             log.info(f"step {queued.step}: loss spike {loss:.4f}; LR x {self.cfg.training.spike_lr_scale} for steps "
                      f"{self.spike_guard.cut_from}-{self.spike_guard.cut_to}")
