@@ -62,7 +62,19 @@ def stage_ids(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
     return [pp_rank + i * pp for i in range(virtual)]
 
 
-def check_schedule(schedule: str, virtual: int, microbatches: int, pp: int, local_batch: int) -> None:
+ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble")
+
+
+def check_schedule(schedule: str, virtual: int, microbatches: int, pp: int, local_batch: int,
+                   op_level_sac: bool = False) -> None:
+    """ConfigError (one line) for a schedule the job cannot run. ``op_level_sac``: the blocks use op-level
+    selective activation checkpointing, whose saved values serve one backward pass only, while the zero-bubble
+    schedules run each stage's backward in two (input gradients, then weight gradients)."""
+    if schedule in ZERO_BUBBLE and op_level_sac:
+        raise ConfigError(f"parallelism.pp_schedule = {schedule!r} runs each stage's backward in two passes, which "
+                          f"op-level selective activation checkpointing (activation_checkpoint.mode = 'selective', "
+                          f"selective_every = 0) cannot replay; use activation_checkpoint.mode = 'full' or 'none', "
+                          f"selective_every > 0, or a 1F1B schedule")
     if schedule in SINGLE_STAGE and virtual != 1:
         raise ConfigError(f"parallelism.pp_schedule = {schedule!r} runs one stage per rank; set "
                           f"pp_virtual_stages = 1 (got {virtual}) or use Interleaved1F1B")
