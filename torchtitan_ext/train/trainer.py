@@ -501,3 +501,18 @@ class Trainer:
         if figures:
             log.info(f"validation loss {figures['val_loss']:.4f}")
             self.metrics.log(self.step, figures)
+        log.info(self._where_outputs_are())
+
+    def _where_outputs_are(self) -> str:
+        """The run's last lines: where its outputs went and the commands that go on from them."""
+        dump, m = Path(self.cfg.job.dump_folder), self.cfg.metrics
+        kept = [f"checkpoints {self.checkpointer.folder}"] if self.checkpointer.cfg.enabled else []
+        kept += [f"metrics {dump / 'metrics.jsonl'}"] if m.jsonl else []
+        kept += [f"TensorBoard {dump / 'tb'} (tensorboard --logdir {dump / 'tb'})"] if m.tensorboard else []
+        lines = [f"done: step {self.step}; outputs in {dump}: " + ", ".join(kept + [f"logs {dump / 'logs'}"])]
+        if self.checkpointer.cfg.enabled:
+            lines += [f"  go on: the same command with a larger --training.steps resumes from "
+                      f"{self.checkpointer.folder}",
+                      f"  evaluate: python -m torchtitan_ext.eval --config {dump / 'config.toml'}",
+                      f"  export: python -m torchtitan_ext.export --checkpoint {dump} --output <new folder>"]
+        return "\n".join(lines)
