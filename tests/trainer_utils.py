@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -20,6 +21,16 @@ TINY = [
     "--metrics.log_freq", "1", "--metrics.tensorboard", "false", "--checkpoint.enabled", "false",
     "--eval.steps", "0", "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-3",
 ]
+
+# Checkpoints every 2 steps, all kept: the fault tests' base runs.
+CKPT_EVERY_2 = ["--checkpoint.enabled", "true", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0"]
+
+
+def file_checksums(root: Path) -> dict[str, str]:
+    """Every file under ``root`` but the append-only logs and the lock: relative path -> sha256 (what a fault
+    test checks is unchanged)."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != ".lock" and p.relative_to(root).parts[0] != "logs"}
 
 
 def run_trainer(dump: Path, nproc: int, *overrides: str, check: bool = True,

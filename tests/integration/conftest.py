@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import signal
+
 import pytest
-from trainer_utils import run_trainer
+from trainer_utils import CKPT_EVERY_2, run_trainer
 
 
 @pytest.fixture(scope="session")
@@ -13,3 +15,22 @@ def tiny_one_process(tmp_path_factory):
     dump = tmp_path_factory.mktemp("tiny_one_process")
     run_trainer(dump, 0)
     return dump
+
+
+@pytest.fixture(scope="session")
+def checkpointed_run(tmp_path_factory):
+    """The tiny job, 4 steps in one process with checkpoints at 2 and 4 (each with checksums.json): the run the
+    fault tests copy and damage, resume or interrupt (test_checkpoint_integrity.py, test_interrupts.py,
+    test_resume_diagnoses.py). Tests copy it before touching it."""
+    dump = tmp_path_factory.mktemp("checkpointed_run") / "run"
+    run_trainer(dump, 0, *CKPT_EVERY_2, "--training.steps", "4")
+    return dump
+
+
+@pytest.fixture
+def restore_signal_handlers():
+    """In-process trainer runs install their own SIGTERM / SIGUSR1 / SIGINT handlers: put pytest's back."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)

@@ -7,48 +7,31 @@ in-process through the entry point to stay fast."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
-import signal
 import zlib
 from pathlib import Path
 
 import pytest
-from trainer_utils import TINY, read_metrics, run_trainer
+from trainer_utils import CKPT_EVERY_2, TINY, file_checksums, read_metrics, run_trainer
 
 from torchtitan_ext.train.__main__ import main
 
-CKPT = ["--checkpoint.enabled", "true", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0"]
+pytestmark = pytest.mark.usefixtures("restore_signal_handlers")
 
 
-@pytest.fixture(autouse=True)
-def _restore_signal_handlers():
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    """4 steps, checkpoints at 2 and 4 (each with checksums.json)."""
-    dump = tmp_path_factory.mktemp("base") / "run"
-    run_trainer(dump, 0, *CKPT, "--training.steps", "4")
-    return dump
 
 
-def _checksums(root: Path) -> dict[str, str]:
-    """Every file under ``root`` but the append-only logs and the lock: relative path -> sha256."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*"))
-            if p.is_file() and p.name != ".lock" and p.relative_to(root).parts[0] != "logs"}
+
 
 
 def _assert_kept(before: dict[str, str], root: Path) -> None:
     """Each file of ``before`` is at its place, or (a checkpoint newer than the one resumed) moved to
     ``checkpoint/abandoned-*/``, unchanged; metrics.jsonl, run.json and config.toml are rewritten by a resume."""
-    after = _checksums(root)
+    after = file_checksums(root)
     for rel, digest in before.items():
         if rel in ("metrics.jsonl", "run.json", "config.toml"):
             continue
@@ -80,9 +63,9 @@ def _damage(path: Path, how: str) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_every_saved_file_has_its_checksum(base):
+def test_every_saved_file_has_its_checksum(checkpointed_run):
     for step in (2, 4):
-        folder = base / "checkpoint" / f"step-{step}"
+        folder = checkpointed_run / "checkpoint" / f"step-{step}"
         record = json.loads((folder / "checksums.json").read_text())
         files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.name != "checksums.json")
         assert sorted(record["files"]) == files and ".metadata" in files and "__0_0.distcp" in files
@@ -93,13 +76,13 @@ def test_every_saved_file_has_its_checksum(base):
 
 @pytest.mark.parametrize("how, file", [("zeros", "__0_0.distcp"), ("random", "__0_0.distcp"),
                                        ("empty", ".metadata")])
-def test_damaged_file_is_named_and_the_step_falls_back(base, tmp_path, capsys, how, file):
-    dump = shutil.copytree(base, tmp_path / "run")
+def test_damaged_file_is_named_and_the_step_falls_back(checkpointed_run, tmp_path, capsys, how, file):
+    dump = shutil.copytree(checkpointed_run, tmp_path / "run")
     damaged = dump / "checkpoint" / "step-4" / file
     saved_size = damaged.stat().st_size
     _damage(damaged, how)
-    before = _checksums(dump)
-    code, out, errors = _run(capsys, dump, *CKPT, "--training.steps", "6")
+    before = file_checksums(dump)
+    code, out, errors = _run(capsys, dump, *CKPT_EVERY_2, "--training.steps", "6")
     assert code == 0 and not errors
     why = f"{damaged} has 0 bytes, {saved_size} when saved" if how == "empty" else \
         f"{damaged} fails its checksum (crc32 "
@@ -110,25 +93,25 @@ def test_damaged_file_is_named_and_the_step_falls_back(base, tmp_path, capsys, h
     _assert_kept(before, dump)  # the damaged step-4 moved aside to abandoned-*/, byte for byte
 
 
-def test_every_step_damaged_stops_with_one_line(base, tmp_path, capsys):
-    dump = shutil.copytree(base, tmp_path / "run")
+def test_every_step_damaged_stops_with_one_line(checkpointed_run, tmp_path, capsys):
+    dump = shutil.copytree(checkpointed_run, tmp_path / "run")
     for step in (2, 4):
         _damage(dump / "checkpoint" / f"step-{step}" / "__0_0.distcp", "zeros")
-    before = _checksums(dump)
-    code, out, errors = _run(capsys, dump, *CKPT, "--training.steps", "6")
+    before = file_checksums(dump)
+    code, out, errors = _run(capsys, dump, *CKPT_EVERY_2, "--training.steps", "6")
     assert code == 2 and errors == [
         f"error: {dump}/checkpoint: every checkpoint is unreadable (step-4, step-2); not starting over from step 0 "
         f"(set checkpoint.allow_fresh_start = true to do so, or checkpoint.folder)"], errors
     assert f"{dump}/checkpoint/step-2/__0_0.distcp fails its checksum" in out
     assert "step      1 " not in out
-    assert _checksums(dump) == before
+    assert file_checksums(dump) == before
 
 
-def test_checkpoint_without_checksums_loads_and_says_so(base, tmp_path, capsys):
-    dump = shutil.copytree(base, tmp_path / "run")
+def test_checkpoint_without_checksums_loads_and_says_so(checkpointed_run, tmp_path, capsys):
+    dump = shutil.copytree(checkpointed_run, tmp_path / "run")
     (dump / "checkpoint" / "step-4" / "checksums.json").unlink()
-    before = _checksums(dump)
-    code, out, errors = _run(capsys, dump, *CKPT, "--training.steps", "5")
+    before = file_checksums(dump)
+    code, out, errors = _run(capsys, dump, *CKPT_EVERY_2, "--training.steps", "5")
     assert code == 0 and not errors
     assert (f"checkpoint {dump}/checkpoint/step-4 has no checksums (saved before they were written): loading it "
             f"unverified") in out
@@ -138,14 +121,14 @@ def test_checkpoint_without_checksums_loads_and_says_so(base, tmp_path, capsys):
     _assert_kept(before, dump)
 
 
-def test_one_process_reader_names_the_damaged_file(base, tmp_path):
+def test_one_process_reader_names_the_damaged_file(checkpointed_run, tmp_path):
     """eval / export / quant.export read through load_on_one_process: damage is one line naming the file."""
     import torch
 
     from torchtitan_ext.checkpoint.manager import load_on_one_process
     from torchtitan_ext.errors import ConfigError
 
-    folder = shutil.copytree(base / "checkpoint" / "step-4", tmp_path / "step-4")
+    folder = shutil.copytree(checkpointed_run / "checkpoint" / "step-4", tmp_path / "step-4")
     _damage(folder / "__0_0.distcp", "zeros")
     with pytest.raises(ConfigError) as e:
         load_on_one_process({"model": {"tok_embeddings.weight": torch.empty(0)}}, folder)
@@ -153,14 +136,14 @@ def test_one_process_reader_names_the_damaged_file(base, tmp_path):
     assert "\n" not in str(e.value)
 
 
-def test_integrity_note_claims_only_what_was_checked(base, tmp_path):
+def test_integrity_note_claims_only_what_was_checked(checkpointed_run, tmp_path):
     """The clause a NaN/Inf stop gives about the latest checkpoint: 'matched its checksums' only for one
     this job verified, never 'intact' for one it did not check."""
     from types import SimpleNamespace
 
     from torchtitan_ext.checkpoint.manager import CheckpointManager
 
-    folder = base / "checkpoint"
+    folder = checkpointed_run / "checkpoint"
     m = CheckpointManager.__new__(CheckpointManager)
     m.cfg, m.folder, m.checked = SimpleNamespace(enabled=True), folder, {}
     assert m.integrity_note() == (f"the latest checkpoint {folder}/step-4 was not checked by this job; a resume "
@@ -195,7 +178,7 @@ def test_full_disk_during_a_save_is_one_line(small_fs):
     from torchtitan_ext.checkpoint.integrity import first_damage, read_manifest
 
     dump = small_fs / "run"
-    proc = run_trainer(dump, 0, *CKPT, "--training.steps", "10", "--model.n_layers", "1", "--model.dim", "64",
+    proc = run_trainer(dump, 0, *CKPT_EVERY_2, "--training.steps", "10", "--model.n_layers", "1", "--model.dim", "64",
                        check=False)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     folder = dump / "checkpoint"

@@ -7,7 +7,6 @@ to a real one-process CPU run."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import signal
@@ -17,40 +16,25 @@ import time
 from pathlib import Path
 
 import pytest
-from trainer_utils import REPO, TINY, run_trainer
+from trainer_utils import CKPT_EVERY_2, REPO, TINY, file_checksums
 
 from torchtitan_ext.train.__main__ import main
 from torchtitan_ext.train.preemption import EXIT_INTERRUPTED
 
-CKPT = ["--checkpoint.enabled", "true", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0"]
+pytestmark = pytest.mark.usefixtures("restore_signal_handlers")
 
 
-@pytest.fixture(autouse=True)
-def _restore_signal_handlers():
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    """4 steps, checkpoints at 2 and 4."""
-    dump = tmp_path_factory.mktemp("base") / "run"
-    run_trainer(dump, 0, *CKPT, "--training.steps", "4")
-    return dump
 
 
-def _checksums(root: Path) -> dict[str, str]:
-    """Every file under ``root`` but the append-only logs and the lock: relative path -> sha256."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*"))
-            if p.is_file() and p.name != ".lock" and p.relative_to(root).parts[0] != "logs"}
 
 
-def _start(dump: Path) -> subprocess.Popen:
+
+def _start(dump: Path, *overrides: str) -> subprocess.Popen:
     """A long one-process run (checkpoints every 2 steps), its output read line by line."""
-    cmd = [sys.executable, "-m", "torchtitan_ext.train", *TINY, "--job.dump_folder", str(dump), *CKPT,
-           "--training.steps", "1000"]
+    cmd = [sys.executable, "-m", "torchtitan_ext.train", *TINY, "--job.dump_folder", str(dump), *CKPT_EVERY_2,
+           "--training.steps", "1000", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
     env.pop("RANK", None)
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -78,7 +62,7 @@ def test_ctrl_c_in_training_finishes_the_step_saves_and_exits_0(tmp_path):
     proc = _start(dump)
     try:
         _wait_for_step(proc, 3)  # step-2 is published (synchronous save) before step 3 is logged
-        before = _checksums(dump / "checkpoint")
+        before = file_checksums(dump / "checkpoint")
         proc.send_signal(signal.SIGINT)
         code, out, err = _finish(proc)
     finally:
@@ -90,28 +74,30 @@ def test_ctrl_c_in_training_finishes_the_step_saves_and_exits_0(tmp_path):
     assert last.startswith(f"preempted (signal) after step {step}: saved {dump}/checkpoint/step-{step}; exiting"), last
     assert step >= 3 and (dump / "checkpoint" / f"step-{step}" / "checksums.json").is_file()
     assert not list((dump / "checkpoint").glob("*.tmp"))
-    after = _checksums(dump / "checkpoint")
+    after = file_checksums(dump / "checkpoint")
     assert all(after.get(k) == v for k, v in before.items())  # step-2 as it was
 
 
 def test_second_ctrl_c_stops_at_once_with_one_line(tmp_path):
     dump = tmp_path / "run"
-    proc = _start(dump)
+    # Wider, so a step outlasts the 50 ms between the two signals: on the tiny model the first stop (finish the
+    # step, save, exit 0) was sometimes over before the second Ctrl-C arrived.
+    proc = _start(dump, "--model.dim", "256", "--model.n_layers", "4", "--training.seq_len", "256")
     try:
         _wait_for_step(proc, 3)
-        before = _checksums(dump / "checkpoint")
+        before = file_checksums(dump / "checkpoint")
         proc.send_signal(signal.SIGINT)
         time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
         code, out, err = _finish(proc)
     finally:
         proc.kill()
-    assert code == EXIT_INTERRUPTED, err[-3000:]
+    assert code == EXIT_INTERRUPTED, out[-2000:] + err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
     assert out.strip().splitlines()[-1] == ("interrupted again (SIGINT): stopping at once, without finishing the "
                                             "step or saving; a resume starts from the last published checkpoint")
     assert not list((dump / "checkpoint").glob("*.tmp"))  # a save cut short leaves no partial folder
-    after = _checksums(dump / "checkpoint")
+    after = file_checksums(dump / "checkpoint")
     assert all(after.get(k) == v for k, v in before.items())
 
 
@@ -122,12 +108,13 @@ def _run(capsys, dump: Path, *overrides: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-def test_ctrl_c_while_loading_a_checkpoint_ends_the_job_and_never_blames_it(base, tmp_path, capsys, monkeypatch):
+def test_ctrl_c_while_loading_a_checkpoint_ends_the_job_and_never_blames_it(checkpointed_run, tmp_path, capsys,
+                                                                             monkeypatch):
     """A real SIGINT to this process while DCP reads step-4's data (the handler set by the run is in place)."""
     from torch.distributed.checkpoint.filesystem import FileSystemReader
 
-    dump = shutil.copytree(base, tmp_path / "run")
-    before = _checksums(dump)
+    dump = shutil.copytree(checkpointed_run, tmp_path / "run")
+    before = file_checksums(dump)
     read = FileSystemReader.read_data
 
     def interrupt_then_read(self, plan, planner):
@@ -136,14 +123,14 @@ def test_ctrl_c_while_loading_a_checkpoint_ends_the_job_and_never_blames_it(base
         return read(self, plan, planner)
 
     monkeypatch.setattr(FileSystemReader, "read_data", interrupt_then_read)
-    code, out, err = _run(capsys, dump, *CKPT, "--training.steps", "6")
+    code, out, err = _run(capsys, dump, *CKPT_EVERY_2, "--training.steps", "6")
     assert code == 0 and "Traceback" not in err and not [x for x in err.splitlines() if x.startswith("error:")]
     assert "preempted (SIGINT) during start-up or resume: nothing written; exiting" in out
     assert "unreadable" not in out and "step      5" not in out
-    assert _checksums(dump) == before  # step-4 neither moved aside nor changed; nothing written
+    assert file_checksums(dump) == before  # step-4 neither moved aside nor changed; nothing written
 
 
-def test_keyboard_interrupt_inside_a_load_is_not_damage(base, tmp_path, capsys, monkeypatch):
+def test_keyboard_interrupt_inside_a_load_is_not_damage(checkpointed_run, tmp_path, capsys, monkeypatch):
     """Where no handler turns Ctrl-C into a flag, the KeyboardInterrupt DCP wraps in its CheckpointException is
     raised as itself and ends the tool with one line and exit code 130: before, the good step-4 was reported
     unreadable, moved aside, and the run trained on."""
@@ -151,16 +138,16 @@ def test_keyboard_interrupt_inside_a_load_is_not_damage(base, tmp_path, capsys, 
 
     import torchtitan_ext.train.preemption as preemption
 
-    dump = shutil.copytree(base, tmp_path / "run")
-    before = _checksums(dump)
+    dump = shutil.copytree(checkpointed_run, tmp_path / "run")
+    before = file_checksums(dump)
 
     def interrupted(self, plan, planner):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(FileSystemReader, "read_data", interrupted)
     monkeypatch.setattr(preemption, "SIGNALS", (signal.SIGTERM, signal.SIGUSR1))  # Ctrl-C left to Python
-    code, out, err = _run(capsys, dump, *CKPT, "--training.steps", "6")
+    code, out, err = _run(capsys, dump, *CKPT_EVERY_2, "--training.steps", "6")
     assert code == EXIT_INTERRUPTED  # the tool's boundary: one line, never a traceback
     assert err.strip().splitlines()[-1] == "error: interrupted (SIGINT): stopped at once"
     assert "unreadable" not in out + err and "moved" not in out + err
-    assert _checksums(dump) == before
+    assert file_checksums(dump) == before

@@ -6,66 +6,50 @@ one line, exit code 2, and that every file is unchanged (checksums)."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
-import signal
 from pathlib import Path
 
 import pytest
-from trainer_utils import TINY, run_trainer
+from trainer_utils import CKPT_EVERY_2, TINY, file_checksums
 
 from torchtitan_ext.train.__main__ import main
 
-CKPT = ["--checkpoint.enabled", "true", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0"]
+pytestmark = pytest.mark.usefixtures("restore_signal_handlers")
 
 
-@pytest.fixture(autouse=True)
-def _restore_signal_handlers():
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    """4 steps of the debug flavor with AdamW, checkpoints at 2 and 4."""
-    dump = tmp_path_factory.mktemp("base") / "run"
-    run_trainer(dump, 0, *CKPT, "--training.steps", "4")
-    return dump
 
 
-def _checksums(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*"))
-            if p.is_file() and p.name != ".lock" and p.relative_to(root).parts[0] != "logs"}
 
 
-def _refused(capsys, base: Path, tmp_path: Path, *overrides: str) -> tuple[Path, str]:
-    """Resume a copy of ``base`` with ``overrides``: exit 2, one error line (returned), nothing trained or
+
+def _refused(capsys, checkpointed_run: Path, tmp_path: Path, *overrides: str) -> tuple[Path, str]:
+    """Resume a copy of ``checkpointed_run`` with ``overrides``: exit 2, one error line (returned), nothing trained or
     written, nothing moved aside."""
-    dump = shutil.copytree(base, tmp_path / "run")
-    before = _checksums(dump)
+    dump = shutil.copytree(checkpointed_run, tmp_path / "run")
+    before = file_checksums(dump)
     os.environ.pop("RANK", None)
-    code = main([*TINY, "--job.dump_folder", str(dump), *CKPT, "--training.steps", "6", *overrides])
+    code = main([*TINY, "--job.dump_folder", str(dump), *CKPT_EVERY_2, "--training.steps", "6", *overrides])
     out, err = capsys.readouterr()
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert code == 2 and len(errors) == 1 and "Traceback" not in err, err[-3000:]
     assert "unreadable" not in out + err and "allow_fresh_start" not in errors[0] and "step      5" not in out
-    assert _checksums(dump) == before
+    assert file_checksums(dump) == before
     return dump, errors[0]
 
 
-def test_another_optimizer_is_named_not_unreadable(base, tmp_path, capsys):
-    dump, line = _refused(capsys, base, tmp_path, "--optimizer.name", "muon")
+def test_another_optimizer_is_named_not_unreadable(checkpointed_run, tmp_path, capsys):
+    dump, line = _refused(capsys, checkpointed_run, tmp_path, "--optimizer.name", "muon")
     assert line.startswith(f"error: {dump}/checkpoint/step-4 is intact (checksums verified) but does not fit this "
                            f"job (RuntimeError: Missing key in checkpoint state_dict: optimizer.state."), line
     assert line.endswith('): optimizer.name changed since the last start ("adamw" -> "muon"): set optimizer.name '
                          '= "adamw" to resume it (or choose another job.dump_folder)'), line
 
 
-def test_changed_model_field_names_the_key_and_the_flavor_value(base, tmp_path, capsys):
-    dump, line = _refused(capsys, base, tmp_path, "--model.n_layers", "1")
+def test_changed_model_field_names_the_key_and_the_flavor_value(checkpointed_run, tmp_path, capsys):
+    dump, line = _refused(capsys, checkpointed_run, tmp_path, "--model.n_layers", "1")
     assert line == (f"error: {dump}/checkpoint/step-4: parameter layers.1.attention.k_norm.weight: checkpoint "
                     f"shape [64], model absent (33 parameters differ in all); model.n_layers changed since the last "
                     f"start (4 -> 1): set model.n_layers = 4 to resume it"), line
