@@ -38,10 +38,16 @@ def write_shard(path: str | os.PathLike, tokens: np.ndarray) -> None:
     header[:3] = (MAGIC, version, tokens.size)
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(header.tobytes())
-        f.write(tokens.astype(np.dtype(DTYPES[version]).newbyteorder("<"), copy=False).tobytes())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(header.tobytes())
+            f.write(tokens.astype(np.dtype(DTYPES[version]).newbyteorder("<"), copy=False).tobytes())
+        os.replace(tmp, path)
+    except BaseException as e:  # a full disk, Ctrl-C: no partial file; an earlier shard at ``path`` stays
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and not e.filename:  # write() and close() do not say which file
+            raise OSError(e.errno, e.strerror or str(e), str(path)) from None
+        raise
 
 
 def read_shard(path: str | os.PathLike) -> np.ndarray:

@@ -11,6 +11,7 @@ import gzip
 import io
 import json
 import os
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -46,30 +47,102 @@ def read_text(path: Path, text_key: str) -> Iterator[str]:
         raise InputError(f"{path}: undecodable UTF-8 at byte {e.start}") from None
 
 
+class _Zstd(io.RawIOBase):
+    """The decompressed bytes of a ``.zst`` file (one frame or several), raising InputError where the stream
+    is not zstd, is damaged, or ends inside a frame: zstandard's own ``stream_reader`` ends a truncated stream
+    as if it were complete, so a cut file read as fewer documents (or none) without a word."""
+
+    CHUNK = 1 << 17
+
+    def __init__(self, path: Path, zstandard) -> None:
+        super().__init__()
+        self.path, self.zstd_error = path, zstandard.ZstdError
+        self.decompressor = zstandard.ZstdDecompressor()
+        self.frame = self.decompressor.decompressobj()
+        self.file = open(path, "rb")
+        self.in_frame = False  # input fed to the current frame that has not yet ended it
+        self.out = self.pos = 0  # decompressed bytes so far; the read position in ``buf``
+        self.buf = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def _feed(self, data: bytes) -> None:
+        parts = []
+        while data:
+            if self.frame.eof:  # the previous frame ended: the next begins in what it left
+                self.frame = self.decompressor.decompressobj()
+            try:
+                parts.append(self.frame.decompress(data))
+            except self.zstd_error as e:
+                what = "not a zstd stream" if "Unknown frame descriptor" in str(e) else \
+                    f"damaged zstd stream after {self.out + sum(map(len, parts)):,} bytes of text"
+                raise InputError(f"{self.path}: cannot decompress: {what} (zstd: {e})") from None
+            self.in_frame = not self.frame.eof
+            data = self.frame.unused_data if self.frame.eof else b""
+        self.buf, self.pos = self.buf[self.pos:] + b"".join(parts), 0
+        self.out += sum(len(p) for p in parts)
+
+    def readinto(self, b) -> int:
+        while self.pos >= len(self.buf):
+            data = self.file.read(self.CHUNK)
+            if not data:
+                if self.in_frame:
+                    raise InputError(f"{self.path}: cannot decompress: truncated zstd stream (the file ends inside "
+                                     f"a frame, after {self.out:,} bytes of text)")
+                return 0
+            self._feed(data)
+        n = min(len(b), len(self.buf) - self.pos)
+        b[:n] = self.buf[self.pos:self.pos + n]
+        self.pos += n
+        return n
+
+    def close(self) -> None:
+        self.file.close()
+        super().close()
+
+
 def _open_lines(path: Path) -> io.BufferedIOBase:
     if path.name.endswith(".gz"):
         return gzip.open(path, "rb")
     if path.name.endswith(".zst"):
-        zstandard = _needs("zstandard", "jsonl")
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
+        return io.BufferedReader(_Zstd(path, _needs("zstandard", "jsonl")))
     return open(path, "rb")
 
 
+def _gzip_error(path: Path, e: Exception) -> InputError:
+    """A .gz stream that cannot be read, said as what it is (gzip raises EOFError for a cut file, BadGzipFile
+    for a foreign or damaged one, zlib.error for damaged deflate data)."""
+    if isinstance(e, EOFError):
+        what = "truncated gzip stream (the file ends before its end-of-stream marker)"
+    elif str(e).startswith("Not a gzipped file"):
+        what = f"not a gzip stream ({e})"
+    else:
+        what = f"damaged gzip stream ({e})"
+    return InputError(f"{path}: cannot decompress: {what}")
+
+
 def read_jsonl(path: Path, text_key: str) -> Iterator[str]:
-    try:
-        with _open_lines(path) as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line.decode("utf-8"))
-                except UnicodeDecodeError as e:
-                    raise InputError(f"{path}:{n}: undecodable UTF-8 at byte {e.start} of the line") from None
-                except json.JSONDecodeError:
-                    raise InputError(f"{path}:{n}: not a JSON object") from None
-                yield _text_of(record, text_key, f"{path}:{n}")
-    except (OSError, EOFError) as e:  # a truncated or corrupt .gz / .zst stream
-        raise InputError(f"{path}: cannot decompress ({type(e).__name__}: {e})") from None
+    with _open_lines(path) as f:
+        lines = iter(f)
+        n = 0
+        while True:
+            try:
+                line = next(lines, None)
+            except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+                raise _gzip_error(path, e) from None
+            if line is None:
+                return
+            n += 1
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise InputError(f"{path}:{n}: undecodable UTF-8 at byte {e.start} of the line") from None
+            except json.JSONDecodeError:
+                raise InputError(f"{path}:{n}: not a JSON object") from None
+            yield _text_of(record, text_key, f"{path}:{n}")
 
 
 def read_parquet(path: Path, text_key: str) -> Iterator[str]:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import glob
 import json
 import sys
@@ -12,12 +13,14 @@ from pathlib import Path
 
 from torchtitan_ext import cli
 from torchtitan_ext.data.filters import HeuristicRules
-from torchtitan_ext.data.prepare import FILTERS, Hooks, Progress, prepare
+from torchtitan_ext.data.prepare import FILTERS, STATE, Hooks, Progress, prepare
 from torchtitan_ext.data.prepare import __doc__ as DESCRIPTION
 from torchtitan_ext.data.shards import write_shard
 from torchtitan_ext.data.sources.trees import TREE_SHARD_TOKENS, TreeError, prepare_trees
 from torchtitan_ext.data.tokenizers import open_tokenizer
+from torchtitan_ext.errors import UserError
 from torchtitan_ext.eval.load import perplexity_scores
+from torchtitan_ext.train.preemption import EXIT_INTERRUPTED
 
 SHARD_TOKENS = 100_000_000
 
@@ -116,16 +119,33 @@ def _prepare(argv: list[str]) -> int:
         if args.ppl_checkpoint else None
     show = _ConsoleProgress()
     hooks = Hooks(warn=_stderr, note=_stderr, show=show, write=write_shard, ppl_scorer=scorer)
+    out = Path(args.output)
     try:
         report = prepare(args, hooks)
     except ValueError as e:
         show.close()
         raise cli.user_error(e) from None
+    except OSError as e:  # a full disk, a forbidden folder: the path, the system's reason, what is kept
+        show.close()
+        code = errno.errorcode.get(e.errno, str(e.errno)) if e.errno else type(e).__name__
+        where = f"{e.filename}: " if e.filename else ""
+        raise UserError(f"{where}{e.strerror or e} ({code}); {_kept(out)}") from None
+    except KeyboardInterrupt:  # workers ignore SIGINT; the pool is ended and no partial file is left
+        show.close()
+        _stderr(f"error: interrupted (SIGINT): stopped; {_kept(out)}")
+        return EXIT_INTERRUPTED
     if report is not None:
         _stderr(json.dumps(report))
         _stderr(f"wrote {report['tokens']:,} tokens from {report['documents_kept']:,} documents: "
                 f"{report['train_shards']} train and {report['val_shards']} val shards in {Path(args.output)}")
     return 0
+
+
+def _kept(out: Path) -> str:
+    """What an interrupted or failed preparation leaves: whole shards and the state to resume from."""
+    if not (out / STATE).is_file():
+        return "no shard was written"
+    return f"the whole shards written so far are kept in {out}: run the same command again to resume"
 
 
 def _trees(args: argparse.Namespace) -> int:

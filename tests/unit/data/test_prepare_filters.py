@@ -9,7 +9,6 @@ import sysconfig
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 import torchtitan_ext.tools.prepare as prep
 from torchtitan_ext.data.filters import SHINGLE, NearDuplicates
@@ -87,8 +86,7 @@ def test_crash_resume_and_bad_input_keep_what_was_written(tmp_path, capsys, monk
 
     monkeypatch.setattr(prep, "write_shard", crashing)
     crashed = tmp_path / "crashed"
-    with pytest.raises(KeyboardInterrupt):
-        prep.main([*args, "--output-dir", str(crashed)])
+    assert prep.main([*args, "--output-dir", str(crashed)]) == 130  # an interrupt: one line, exit 130
     monkeypatch.setattr(prep, "write_shard", real)
     assert len(list(crashed.glob("*.bin"))) == 3
     assert prep.main([*args, "--output-dir", str(crashed), "--workers", "2"]) == 0

@@ -24,6 +24,7 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import sys
 import time
 from collections import deque
@@ -130,6 +131,8 @@ _SIGNATURES = False
 
 def _init_worker(tok_spec: tuple, rules: HeuristicRules | None, signatures: bool) -> None:
     global _TOK, _RULES, _SIGNATURES
+    if mp.parent_process() is not None:  # a pool worker: Ctrl-C is the main process's to handle (it ends
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the pool), never a KeyboardInterrupt traceback here
     _TOK = open_tokenizer(*tok_spec)
     _RULES, _SIGNATURES = rules, signatures
 
@@ -152,10 +155,16 @@ def _process(texts: list[str]) -> list[tuple[np.ndarray | None, str | None, np.n
 def _save_state(out: Path, writer: ShardWriter, state: dict, **changes) -> None:
     """``state`` with ``changes`` and the writer's position, written atomically."""
     tmp = out / (STATE + ".tmp")
-    with open(tmp, "wb") as f:
-        pickle.dump({**state, **changes, "index": dict(writer.index), "val_left": writer.val_left,
-                     "written": writer.written}, f)
-    os.replace(tmp, out / STATE)
+    try:
+        with open(tmp, "wb") as f:
+            pickle.dump({**state, **changes, "index": dict(writer.index), "val_left": writer.val_left,
+                         "written": writer.written}, f)
+        os.replace(tmp, out / STATE)
+    except BaseException as e:  # a full disk, Ctrl-C: the previous state stays, no partial file
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and not e.filename:  # write() and close() do not say which file
+            raise OSError(e.errno, e.strerror or str(e), str(out / STATE)) from None
+        raise
 
 
 def _pipeline(files, args, pool, skip: int, dedup: NearDuplicates | None, removed: dict, progress: Progress,
@@ -238,18 +247,29 @@ def prepare(opts, hooks: Hooks | None = None) -> dict | None:
     rules = HeuristicRules(opts.min_tokens, opts.max_tokens, opts.max_symbol_ratio, opts.max_repeat_ratio) \
         if "heuristics" in filters else None
     out = Path(opts.output)
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     total_bytes = sum(input_bytes(f) for f in files)
     ctx = mp.get_context("spawn" if sys.platform == "darwin" else "fork")
     init = (tok_spec, rules, "minhash" in filters)
-    pool = ctx.Pool(opts.workers, _init_worker, init) if opts.workers > 1 else None
-    if pool is None:
+    pool = None
+    if opts.workers > 1:
+        # Workers start with SIGINT ignored (also before their initializer runs): a Ctrl-C reaches the
+        # terminal's whole process group, and only the main process acts on it.
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            pool = ctx.Pool(opts.workers, _init_worker, init)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+    else:
         _init_worker(*init)
     try:
         return _write(opts, hooks, files, filters, pool, out, total_bytes)
     finally:
         if pool is not None:
             pool.terminate()
+        if created and not any(out.iterdir()):  # nothing written: leave no empty folder behind
+            out.rmdir()
 
 
 def _resume(opts, hooks: Hooks, out: Path, writer: ShardWriter) -> dict | None:
@@ -271,6 +291,30 @@ def _resume(opts, hooks: Hooks, out: Path, writer: ShardWriter) -> dict | None:
     writer.index, writer.val_left, writer.written = dict(state["index"]), state["val_left"], state["written"]
     writer.buf, writer.buffered = [state["carry"]], len(state["carry"])
     return state
+
+
+def _check_splits(opts, out: Path, writer: ShardWriter, kept: int, records: int, removed: dict) -> None:
+    """InputError when the options leave the training or the validation split empty (every token in
+    validation shards, or no token at all), once the last document is read and before the last shard is
+    written; the shards and state this preparation wrote are removed, since other options need a fresh
+    folder."""
+    total = writer.written + writer.buffered
+    shards = -(-total // opts.shard_tokens)
+    if total and opts.val_shards < shards:
+        return
+    gone = sum(removed.values())
+    if not total:
+        message = (f"--input {' '.join(opts.input)}: no tokens to write: {records:,} documents read"
+                   + (f", all {gone:,} removed by --filters {opts.filters}" if gone else ""))
+    else:
+        message = (f"--val-shards {opts.val_shards}: the input holds {total:,} tokens from {kept:,} documents, "
+                   f"{shards} shard(s) of --shard-tokens {opts.shard_tokens:,}, so no training shard would be "
+                   f"left; expected --val-shards < {shards} (or a smaller --shard-tokens)")
+    for split, count in writer.index.items():
+        for i in range(count):
+            (out / f"{split}_{i:06d}.bin").unlink(missing_ok=True)
+    (out / STATE).unlink(missing_ok=True)
+    raise InputError(message)
 
 
 def _write(opts, hooks: Hooks, files, filters, pool, out: Path, total_bytes: int) -> dict | None:
@@ -306,6 +350,7 @@ def _write(opts, hooks: Hooks, files, filters, pool, out: Path, total_bytes: int
         if writer.add(tokens):
             _save_state(out, writer, state, records=record, kept=kept, removed=removed, dedup=dedup,
                         carry=np.concatenate(writer.buf))
+    _check_splits(opts, out, writer, kept, state["records"] + progress.docs, removed)
     writer.close()
     progress.update(0, 0, 0, final=True)
     _save_state(out, writer, state, records=progress.docs + state["records"], kept=kept, removed=removed,
