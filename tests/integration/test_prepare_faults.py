@@ -204,3 +204,22 @@ def test_a_full_disk_names_the_shard_and_enospc(small_fs, tmp_path, capsys):
     assert main([*args, "--output-dir", str(tmp_path / "ref")]) == 0
     ref, got = _shards(tmp_path / "ref"), _shards(out)
     assert len(ref) > 3 and all(np.array_equal(ref[k], got[k]) for k in got)
+
+
+def test_a_full_disk_while_caching_the_ppl_scores_leaves_no_partial_file(small_fs, tmp_path):
+    """The ``ppl`` filter's score cache (2.4 MB here) does not fit: OSError naming the cache and ENOSPC (what the
+    tool prints as one line), no ``ppl_scores.tmp.npy`` left."""
+    import errno
+
+    from torchtitan_ext.data.prepare import Hooks, prepare
+    from torchtitan_ext.tools.prepare import _parser
+
+    src = tmp_path / "a.jsonl"
+    src.write_bytes(_jsonl(20, words=10))
+    out = small_fs / "out"
+    opts = _parser().parse_args(["--input", str(src), "--output-dir", str(out), "--filters", "ppl",
+                                 "--ppl-checkpoint", "unused", "--shard-tokens", "1000"])
+    with pytest.raises(OSError) as e:
+        prepare(opts, Hooks(ppl_scorer=lambda texts: np.zeros(300_000), show=None))
+    assert (e.value.errno, e.value.filename) == (errno.ENOSPC, str(out / "ppl_scores.npy"))
+    assert sorted(p.name for p in small_fs.rglob("*")) == []

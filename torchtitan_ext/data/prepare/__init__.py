@@ -20,6 +20,7 @@ each removed.
 from __future__ import annotations
 
 import glob
+import io
 import logging
 import multiprocessing as mp
 import os
@@ -329,8 +330,17 @@ def _write(opts, hooks: Hooks, files, filters, pool, out: Path, total_bytes: int
             texts = [t for _, t, _ in _pipeline(files, opts, pool, 0, dedup, {}, progress, hooks.warn)]
             progress.update(0, 0, 0, final=True)
             scores = hooks.ppl_scorer(texts)
-            np.save(out / "ppl_scores.tmp.npy", scores)
-            os.replace(out / "ppl_scores.tmp.npy", cache)
+            tmp = out / "ppl_scores.tmp.npy"
+            try:
+                buf = io.BytesIO()
+                np.save(buf, scores)  # through bytes: numpy's own file writes lose the errno (a full disk)
+                tmp.write_bytes(buf.getvalue())
+                os.replace(tmp, cache)
+            except BaseException as e:  # a full disk, Ctrl-C: no partial cache
+                tmp.unlink(missing_ok=True)
+                if isinstance(e, OSError) and not e.filename:
+                    raise OSError(e.errno, e.strerror or str(e), str(cache)) from None
+                raise
         ppl_threshold = float(np.percentile(scores, opts.ppl_percentile)) if len(scores) else 0.0
     writer = ShardWriter(out, opts.shard_tokens, opts.val_shards, hooks.write)
     state = _resume(opts, hooks, out, writer)
