@@ -83,7 +83,7 @@ def test_a_broken_compressed_input_is_one_line(tmp_path, capsys, kind, reason):
     errors = _errors(capsys)
     assert len(errors) == 1 and errors[0].startswith(f"error: {src}: cannot decompress: {reason}"), errors
     assert file_checksums(out) == before
-    assert main(["--input", str(src), "--output-dir", str(tmp_path / "new"), "--shard-tokens", "100000"]) == 2
+    assert main(["--input", str(src), "--output-dir", str(tmp_path / "new" / "sub"), "--shard-tokens", "100000"]) == 2
     assert _errors(capsys) == errors and not (tmp_path / "new").exists()
 
 

@@ -248,7 +248,7 @@ def prepare(opts, hooks: Hooks | None = None) -> dict | None:
     rules = HeuristicRules(opts.min_tokens, opts.max_tokens, opts.max_symbol_ratio, opts.max_repeat_ratio) \
         if "heuristics" in filters else None
     out = Path(opts.output)
-    created = not out.exists()
+    created = [d for d in (out, *out.parents) if not d.exists()]  # the folders this run makes, innermost first
     out.mkdir(parents=True, exist_ok=True)
     total_bytes = sum(input_bytes(f) for f in files)
     ctx = mp.get_context("spawn" if sys.platform == "darwin" else "fork")
@@ -270,7 +270,11 @@ def prepare(opts, hooks: Hooks | None = None) -> dict | None:
         if pool is not None:
             pool.terminate()
         if created and not any(out.iterdir()):  # nothing written: leave no empty folder behind
-            out.rmdir()
+            for folder in created:
+                try:
+                    folder.rmdir()
+                except OSError:  # something else appeared in it meanwhile: it stays
+                    break
 
 
 def _resume(opts, hooks: Hooks, out: Path, writer: ShardWriter) -> dict | None:
