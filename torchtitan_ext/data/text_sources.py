@@ -1,9 +1,9 @@
 """The documents ``data.prepare`` reads, by format (``--format``, else from the file name): plain text (one
 file, one document), JSONL (one line, one document: its ``text_key`` string; also ``.jsonl.gz`` and
-``.jsonl.zst``), parquet (streamed one record batch at a time, so memory stays constant whatever the file's
-size: the format FineWeb, DCLM and most Hub corpora ship in), and a Hugging Face ``datasets`` folder (saved
-with ``save_to_disk``, or data files ``load_dataset`` can read locally). A new format is a reader here and
-a line in ``READERS``."""
+``.jsonl.zst``, where a truncated, foreign or damaged stream is an InputError naming the file), parquet
+(streamed one record batch at a time, so memory stays constant whatever the file's size: the format FineWeb,
+DCLM and most Hub corpora ship in), and a Hugging Face ``datasets`` folder (saved with ``save_to_disk``, or
+data files ``load_dataset`` can read locally). A new format is a reader here and a line in ``READERS``."""
 
 from __future__ import annotations
 

@@ -5,13 +5,16 @@
 
 Each .txt (or other) file is one document; each JSONL line is one document (its ``--text-key`` string).
 Documents are followed by the tokenizer's end-of-text id. Shards hold ``--shard-tokens`` tokens (the last
-may be shorter); the first ``--val-shards`` go to ``val_*.bin``, the rest to ``train_*.bin``.
+may be shorter); the first ``--val-shards`` go to ``val_*.bin``, the rest to ``train_*.bin``. Options that
+leave a split empty (no token left for training, or none at all) are refused once the input is read, and the
+shards written so far removed.
 
 Workers tokenize and apply the heuristics to chunks of documents in input order; the near-duplicate index
 and the writer run in the main process, so the output does not depend on ``--workers``. Each shard is
 written atomically and followed by ``prepare_state.pkl`` (records consumed, tokens carried into the next
-shard, duplicate index, counts): a run that crashed or stopped on bad input continues from the last shard
-when started again with the same arguments. With ``ppl`` in ``--filters``, a first pass scores the
+shard, duplicate index, counts): a run that crashed, was interrupted (Ctrl-C: exit 130) or stopped on bad
+input (a bad record, a truncated .gz / .zst, a full disk: exit 2) continues from the last shard when started
+again with the same arguments. With ``ppl`` in ``--filters``, a first pass scores the
 documents that survive the earlier filters (cached in ``ppl_scores.npy``) and the second pass writes.
 Filters (in the order given) are described in ``torchtitan_ext.data.filters``; the final report lists what
 each removed.
