@@ -31,7 +31,10 @@ def setup_logging(rank: int | None = None, log_file: str | Path | None = None) -
     """The package's logger: rank 0 (``RANK``, default 0) prints its messages to the console as plain lines;
     with ``log_file`` every other rank writes its own to that file (rank 0's console lines reach its file
     through ``rank_log``)."""
-    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+    if rank is None:
+        from torchtitan_ext.parallel.dims import launch_env
+
+        rank = launch_env().get("RANK", 0)  # RANK=abc: one line naming it, not int()'s traceback
     logger = logging.getLogger("torchtitan_ext")
     for handler in list(logger.handlers):
         logger.removeHandler(handler)
@@ -126,9 +129,20 @@ def positive_whole(raw: str) -> int:
     return int(value)
 
 
+class _ConfigOption(OptionValue):
+    """``--config FILE`` once: a second is the config loader's line naming both files (argparse keeps the last)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        from torchtitan_ext.config.loader import repeated_config
+
+        if values is not None and (previous := getattr(namespace, self.dest, None)) is not None:
+            raise repeated_config(previous, values)
+        super().__call__(parser, namespace, values, option_string)
+
+
 def add_config_option(parser: argparse.ArgumentParser) -> None:
     """``--config FILE``, the job's TOML file, read with its overrides by :func:`job_argv`."""
-    parser.add_argument("--config", action=OptionValue, metavar="FILE",
+    parser.add_argument("--config", action=_ConfigOption, metavar="FILE",
                         help="the job's TOML config (train_configs/*.toml, or a dump folder's config.toml)")
 
 
@@ -148,9 +162,12 @@ def run_tool(main: Callable[[list[str]], int | None], argv: list[str] | None = N
     import torch.distributed as dist
 
     argv = sys.argv[1:] if argv is None else argv
-    if not logging.getLogger("torchtitan_ext").handlers:
-        setup_logging()
     try:
+        from torchtitan_ext.parallel.dims import launch_env
+
+        launch_env()  # WORLD_SIZE=abc: one line naming it, before any tool reads it
+        if not logging.getLogger("torchtitan_ext").handlers:
+            setup_logging()
         return main(argv) or EXIT_OK
     except (UserError, FileNotFoundError, NotADirectoryError, argparse.ArgumentError, RunStopped) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)

@@ -86,8 +86,15 @@ def load_toml(cfg: JobConfig, path: str) -> None:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {path}: not found (expected a TOML file, e.g. train_configs/debug.toml)")
+    raw = p.read_bytes()
     try:
-        data = tomllib.loads(p.read_text())
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"config file {path}: not UTF-8 text: byte 0x{raw[e.start]:02x} at offset {e.start} "
+                          f"(line {line}); TOML files are UTF-8") from None
+    try:
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path}: TOML syntax error: {e}") from None
     for section, table in data.items():
@@ -97,8 +104,14 @@ def load_toml(cfg: JobConfig, path: str) -> None:
             _set(cfg, section, key, value, f"{path}", from_cli=False)
 
 
+def repeated_config(first: str, second: str) -> ConfigError:
+    """The one line for a second ``--config`` (the loader reads one file; a second would silently replace it)."""
+    return ConfigError(f"argument --config: given twice ({first}, then {second}); give one file and override its "
+                       "keys with --section.key value")
+
+
 def parse_args(argv: list[str]) -> JobConfig:
-    """``--config FILE`` first, then ``--section.key value`` (or ``--section.key=value``) overrides."""
+    """``--config FILE`` (once) first, then ``--section.key value`` (or ``--section.key=value``) overrides."""
     cfg = JobConfig()
     overrides: list[tuple[str, str]] = []
     config_file = None
@@ -110,6 +123,8 @@ def parse_args(argv: list[str]) -> JobConfig:
         if not eq and (value := next(args, None)) is None:
             raise ConfigError(f"argument --{name}: missing value")
         if name == "config":
+            if config_file is not None:
+                raise repeated_config(config_file, value)
             config_file = value
         elif "." not in name:
             raise ConfigError(f"argument --{name}: expected --section.key (e.g. --training.steps 100)")

@@ -13,6 +13,7 @@ new values.
 from __future__ import annotations
 
 import dataclasses
+import os
 import secrets
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,6 +42,19 @@ def import_wandb():
         raise ConfigError(f"metrics.wandb = true needs the wandb package: pip install -e '.[{EXTRA}]'"
                           ) from None
     return wandb
+
+
+def check_mode(wandb) -> None:
+    """``WANDB_MODE``, when set, is one W&B knows; else one ``ConfigError`` line naming it (``wandb.init`` raises
+    a many-line pydantic error, and on rank 0 only)."""
+    mode = os.environ.get("WANDB_MODE")
+    if mode is None:
+        return
+    try:
+        wandb.Settings(mode=mode)
+    except ValueError:  # pydantic's ValidationError
+        raise ConfigError(f"metrics.wandb: environment variable WANDB_MODE={mode!r}: expected online, offline or "
+                          "disabled") from None
 
 
 def run_id(dump_folder: str | Path) -> str:
@@ -83,13 +97,20 @@ class WandbSink:
             self.run = None
 
 
+def check_tracking(cfg: JobConfig) -> None:
+    """What ``tracking_sinks`` will need, checked before a job touches its folder: with ``metrics.wandb``, the
+    wandb package and a known ``WANDB_MODE`` (one ``ConfigError`` line each)."""
+    if cfg.metrics.wandb:
+        check_mode(import_wandb())
+
+
 def tracking_sinks(cfg: JobConfig, rank: int) -> list[MetricsSink]:
     """The sinks ``[metrics]`` asks for: on rank 0 a ``WandbSink`` when ``metrics.wandb``; a missing wandb
     package fails on every rank (one ``ConfigError`` line), so that no rank waits for one that stopped."""
     m = cfg.metrics
     if not m.wandb:
         return []
-    import_wandb()
+    check_tracking(cfg)  # on every rank
     if rank != 0:
         return []
     return [WandbSink(cfg.job.dump_folder, m.wandb_project, m.wandb_run_name, m.wandb_tags, dataclasses.asdict(cfg))]

@@ -8,6 +8,7 @@ World layout, outermost first: ``pp x dp_replicate x dp_shard x tp``. Expert par
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -20,6 +21,31 @@ from torchtitan_ext.errors import UserError
 
 class ParallelDimsError(UserError):
     """Degrees that do not fit the world size; one line naming the keys and values."""
+
+
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")  # what torchrun sets for each process
+
+
+def launch_env() -> dict[str, int]:
+    """The launcher's variables that are set (``LAUNCH_VARS``), as integers; one ``UserError`` line naming the
+    variable and its value when one is not a whole number (ranks >= 0, sizes >= 1) or a rank is not below its
+    size. A plain ``python -m`` run sets none of them."""
+    values = {}
+    for name in LAUNCH_VARS:
+        if (raw := os.environ.get(name)) is None:
+            continue
+        lowest = 1 if name.endswith("SIZE") else 0
+        try:
+            values[name] = int(raw.strip())
+        except ValueError:
+            values[name] = lowest - 1
+        if values[name] < lowest:
+            raise UserError(f"environment variable {name}={raw!r}: expected a whole number >= {lowest} "
+                            "(torchrun sets it; unset it for a plain one-process run)")
+    for rank, size in (("RANK", "WORLD_SIZE"), ("LOCAL_RANK", "LOCAL_WORLD_SIZE")):
+        if rank in values and size in values and values[rank] >= values[size]:
+            raise UserError(f"environment variable {rank}={values[rank]}: expected below {size}={values[size]}")
+    return values
 
 
 @dataclass

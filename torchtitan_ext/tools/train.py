@@ -35,10 +35,12 @@ def _train(argv: list[str]) -> int:
     cfg = parse_args(argv)
     from torchtitan_ext.checkpoint.run_folder import NothingToTrain, claim
     from torchtitan_ext.metrics.logger import rank_log
+    from torchtitan_ext.metrics.wandb_sink import check_tracking
     from torchtitan_ext.train.preemption import StartupInterrupted, raise_on_signal
     from torchtitan_ext.train.trainer import Trainer
 
     rank = int(os.environ.get("RANK", 0))
+    check_tracking(cfg)  # WANDB_MODE=bogus: one line before the folder is touched
     raise_on_signal()  # a signal before training begins: exit 0, nothing written
     notes: list[str] = []
     try:
