@@ -38,8 +38,27 @@ def find_checkpoint(path: str | Path, cfg: JobConfig | None = None) -> tuple[Pat
         raise ConfigError(f"checkpoint.load_step = {want}: no complete checkpoint {folder}/step-{want} "
                           f"(found: {steps or 'none'})")
     if not steps:
-        raise ConfigError(f"{p}: no complete checkpoint (expected a dump folder with checkpoint/step-N/)")
+        why = "" if p.is_dir() else "no such folder; "
+        raise ConfigError(f"{p}: no complete checkpoint found there ({why}expected a dump folder with "
+                          "checkpoint/step-N/)")
     return dump, folder / f"step-{want if want >= 0 else steps[-1]}"
+
+
+def config_dump_folder(config: str | Path | None, cfg: JobConfig) -> tuple[Path, str | None]:
+    """(dump folder, note or None) of a job read from ``--config config``: a run's own ``config.toml`` (a file
+    beside ``config.toml`` and ``<checkpoint.folder>/``) is evaluated where it is, with a note when its recorded
+    ``job.dump_folder`` (relative to where the job ran) is another folder: a copied or moved dump folder, or a
+    command run from elsewhere. Any other config names the folder with ``job.dump_folder``."""
+    recorded = Path(cfg.job.dump_folder).expanduser()
+    if config is None:
+        return recorded, None
+    here = Path(config).expanduser().parent
+    if not ((here / "config.toml").is_file() and (here / cfg.checkpoint.folder).is_dir()):
+        return recorded, None
+    if recorded.exists() and recorded.resolve() == here.resolve():
+        return recorded, None
+    where = "another folder" if recorded.exists() else "not a folder here"
+    return here, f"the config file's folder; its job.dump_folder = '{cfg.job.dump_folder}' is {where}"
 
 
 def trained_run(path: str | Path, cfg: JobConfig | None = None) -> tuple[Path, JobConfig, object, ModelArgs]:

@@ -6,11 +6,16 @@ The same config (and overrides) as the training job; the latest complete checkpo
 ``checkpoint.load_step``) is loaded whatever layout saved it. Each validation split (every domain's with
 ``[[data.domains]]``) contributes its first ``eval.steps x local_batch_size`` windows' worth of tokens
 (all of it when ``eval.steps = 0``), scored with sliding windows when ``eval.stride > 0``.
+
+A run's own ``config.toml`` (``--config DUMP/config.toml``) reads the run in that file's folder, also when the
+folder was copied or moved (its recorded ``job.dump_folder`` is then another folder, or none);
+``--job.dump_folder`` names one explicitly. The checkpoint read is said on stderr.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 
 import torch
 
@@ -25,13 +30,24 @@ def parser() -> cli.ArgumentParser:
 
 
 def _main(argv: list[str]) -> int:
-    from torchtitan_ext.eval.load import load_trained
+    from torchtitan_ext.config.job_config import JobSection
+    from torchtitan_ext.errors import ConfigError
+    from torchtitan_ext.eval.load import config_dump_folder, load_trained
     from torchtitan_ext.eval.validation import evaluate_model
 
     ns, rest = parser().parse_known_args(argv)
     cfg = parse_args(cli.job_argv(ns, rest))
     device = "cuda" if cfg.job.device != "cpu" and torch.cuda.is_available() else "cpu"
-    model, tok, _, ckpt = load_trained(cfg.job.dump_folder, device, cfg=cfg)
+    overridden = any(a == "--job.dump_folder" or a.startswith("--job.dump_folder=") for a in rest)
+    dump, note = config_dump_folder(None if overridden else ns.config, cfg)
+    try:
+        model, tok, _, ckpt = load_trained(dump, device, cfg=cfg)
+    except ConfigError as e:
+        if cfg.job.dump_folder != JobSection().dump_folder or (dump / cfg.checkpoint.folder).is_dir():
+            raise
+        raise ConfigError(f"{e}; that is the default job.dump_folder (evaluate a run with --config "
+                          "DUMP/config.toml)") from None
+    print(f"eval: read checkpoint {ckpt}{f' ({note})' if note else ''}", file=sys.stderr, flush=True)
     val, metrics, scored = evaluate_model(model, tok, cfg)  # val_bpb and per-domain figures
     print(json.dumps({"checkpoint": str(ckpt), "stride": cfg.eval.stride or cfg.training.seq_len,
                       "scored_tokens": scored, "val_loss": val, **metrics}))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from torchtitan_ext import cli
 
@@ -35,6 +36,7 @@ def _main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     out = complete(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed,
                    args.device, args.compile)
+    print(f"generate: read checkpoint {out.checkpoint}", file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps({"checkpoint": str(out.checkpoint), "completions": out.texts, "compiled": out.compiled,
                           "tokens_per_sec": out.tokens_per_sec}))
