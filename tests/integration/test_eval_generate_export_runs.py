@@ -146,7 +146,7 @@ def test_damaged_checkpoint_is_one_line_for_generate_eval_export(trained, tmp_pa
         out = _cli(*args)
         assert out.returncode == 2, out.stderr
         assert out.stderr.strip().splitlines() == [out.stderr.strip()]
-        assert f"{step}: cannot read this checkpoint" in out.stderr
+        assert f"{step}: damaged checkpoint" in out.stderr
 
 
 def test_export_architectures_and_initial_load_path(trained, tmp_path):

@@ -135,7 +135,7 @@ def test_refusals_are_one_line_and_leave_nothing(trained, tmp_path):
     step = damaged / "checkpoint" / "step-6"
     for shard in step.glob("*.distcp"):
         shard.write_bytes(shard.read_bytes()[:100])
-    _one_line(_cli("--checkpoint", str(damaged), "--output", str(tmp_path / "a")), f"{step}: cannot read")
+    _one_line(_cli("--checkpoint", str(damaged), "--output", str(tmp_path / "a")), f"{step}: damaged checkpoint")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["damaged", "full"]  # no output, no temporary folder
 
     from torchtitan_ext.eval.load import load_trained

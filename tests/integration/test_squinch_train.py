@@ -11,6 +11,7 @@ another layout restarts its residuals from zero and says so.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import shutil
@@ -184,8 +185,12 @@ def ef_hsdp(tmp_path_factory) -> Path:
 def _resume_ef(straight: Path, dest: Path, nproc: int, *overrides: str, drop_residuals: bool = False):
     """Copy ``straight``'s step-4 checkpoint into ``dest`` and run on to step 8 there."""
     shutil.copytree(straight / "checkpoint" / "step-4", dest / "checkpoint" / "step-4")
-    if drop_residuals:  # as a checkpoint saved without error feedback
-        shutil.rmtree(dest / "checkpoint" / "step-4" / RESIDUALS)
+    if drop_residuals:  # as a checkpoint saved without error feedback: no residual files, none in its checksums
+        step = dest / "checkpoint" / "step-4"
+        shutil.rmtree(step / RESIDUALS)
+        manifest = json.loads((step / "checksums.json").read_text())
+        manifest["files"] = {k: v for k, v in manifest["files"].items() if not k.startswith(RESIDUALS)}
+        (step / "checksums.json").write_text(json.dumps(manifest))
     return run_trainer(dest, nproc, *EF_CKPT, *overrides)
 
 

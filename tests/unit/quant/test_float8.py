@@ -110,7 +110,7 @@ def test_error_without_torchao(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     for name in ("torchao", "torchao.float8"):
         monkeypatch.setitem(sys.modules, name, None)  # makes ``import torchao.float8`` raise ImportError
-    with pytest.raises(ConfigError, match=r"needs torchao.*pip install 'torchtitan_ext\[gpu\]'.*pip install "
+    with pytest.raises(ConfigError, match=r"needs torchao.*pip install -e '\.\[gpu\]'.*pip install "
                                           r"torchao"):
         f8.check_float8_supported(Float8Section(enabled=True), torch.device("cuda", 0))
     with pytest.raises(ConfigError, match="needs torchao"):
