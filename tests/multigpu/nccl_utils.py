@@ -59,9 +59,10 @@ def needs_gpus(n: int):
 # A tiny job that still gives the GPU real matrices: 8 blocks of width 512 (8 heads, 4 K/V heads, so TP 4
 # divides them), sequences of 256 bytes, 8 sequences per step (every data-parallel degree up to 8 divides it).
 # Deterministic kernels, so a layout's difference from one GPU is the layout's, not run-to-run noise. Float32
-# parameters and compute: in bf16 (FSDP mixed precision against autocast on one GPU) the first step agreed
-# within 2e-4 on 4 H100s but the 20-step trajectories drifted apart by up to 46% at single steps (2026-11-27),
-# which no bound can tell from a real fault; in float32 a layout differs only by its reduction order.
+# parameters and compute: in bf16 (FSDP mixed precision against autocast on one GPU) the first step agreed within
+# 1.3e-4 (loss) and 2.2e-4 (gradient norm) on 4 H100s, but the 20-step trajectories drifted apart by up to 46% at
+# single steps (2026-11-27), which no bound can tell from a real fault; in float32 a layout differs only by its
+# reduction order.
 GLOBAL_BATCH = 8
 JOB = [
     "--model.flavor", "debug", "--model.dim", "512", "--model.n_layers", "8", "--model.n_heads", "8",
