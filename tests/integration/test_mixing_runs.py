@@ -6,33 +6,17 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import sysconfig
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from data_builders import write_domains
 from trainer_utils import read_metrics, run_trainer
 
 from torchtitan_ext.data.base import rows_to_batch
 from torchtitan_ext.data.packers.bfd import PAD
-from torchtitan_ext.data.shards import write_shard
 from torchtitan_ext.data.sources.domains import adaptive_update
-
-
-def _write_domains(folder: Path, n_domains: int = 2) -> list[dict]:
-    """Byte-tokenized shards of distinct text per domain (stdlib sources, their docstrings-less halves)."""
-    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
-    tables = []
-    for d in range(n_domains):
-        text = "".join(f.read_text(errors="replace") for f in files[d * 12:(d + 1) * 12])
-        tokens = np.frombuffer(text.encode(), dtype=np.uint8).astype(np.int32)
-        cut = len(tokens) // 8
-        write_shard(folder / f"d{d}_val.bin", tokens[:cut])
-        write_shard(folder / f"d{d}_train.bin", tokens[cut:])
-        tables.append({"name": f"d{d}", "train": str(folder / f"d{d}_train.bin"),
-                       "val": str(folder / f"d{d}_val.bin"), "weight": float(d + 1)})
-    return tables
 
 
 def _domains_toml(path: Path, tables: list[dict]) -> Path:
@@ -49,7 +33,7 @@ MIX = ["--data.mixing", "adaptive", "--data.mixing_rate", "0.5", "--eval.interva
 
 
 def test_adaptive_mixing_in_training_logs_resumes_exactly_and_matches_one_process(tmp_path):
-    cfg = _domains_toml(tmp_path / "domains.toml", _write_domains(tmp_path))
+    cfg = _domains_toml(tmp_path / "domains.toml", write_domains(tmp_path))
     full = tmp_path / "full"
     ckpt = ["--checkpoint.enabled", "true", "--checkpoint.interval", "4"]
     run_trainer(full, 2, "--config", str(cfg), *MIX, *ckpt)

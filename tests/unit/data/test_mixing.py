@@ -6,33 +6,16 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
-import sysconfig
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from data_builders import write_domains
 from trainer_utils import REPO
 
 from torchtitan_ext.data.packers.bfd import PAD, bfd_bins, pack
-from torchtitan_ext.data.shards import write_shard
 from torchtitan_ext.data.sources.domains import Domain, MixingLoader, adaptive_update, parse_domains, project
 from torchtitan_ext.errors import ConfigError
-
-
-def _write_domains(folder: Path, n_domains: int = 2) -> list[dict]:
-    """Byte-tokenized shards of distinct text per domain (stdlib sources, their docstrings-less halves)."""
-    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
-    tables = []
-    for d in range(n_domains):
-        text = "".join(f.read_text(errors="replace") for f in files[d * 12:(d + 1) * 12])
-        tokens = np.frombuffer(text.encode(), dtype=np.uint8).astype(np.int32)
-        cut = len(tokens) // 8
-        write_shard(folder / f"d{d}_val.bin", tokens[:cut])
-        write_shard(folder / f"d{d}_train.bin", tokens[cut:])
-        tables.append({"name": f"d{d}", "train": str(folder / f"d{d}_train.bin"),
-                       "val": str(folder / f"d{d}_val.bin"), "weight": float(d + 1)})
-    return tables
 
 
 def _loader(tables, dp_rank=0, dp_world=1, local=4, **kw) -> MixingLoader:
@@ -40,7 +23,7 @@ def _loader(tables, dp_rank=0, dp_world=1, local=4, **kw) -> MixingLoader:
 
 
 def test_fractions_match_weights_and_slices_are_disjoint(tmp_path):
-    tables = _write_domains(tmp_path, 3)
+    tables = write_domains(tmp_path, 3)
     tables[0]["weight"], tables[1]["weight"], tables[2]["weight"] = 5.0, 3.0, 2.0
     one = _loader(tables, local=8)
     counts = np.zeros(3)

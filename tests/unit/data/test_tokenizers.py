@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from data_builders import TEXTS, make_hf
 from trainer_utils import REPO
 
 from torchtitan_ext.data.shards import read_shard
@@ -32,28 +33,8 @@ pytest.importorskip("tokenizers")
 
 pytest.importorskip("tiktoken")
 
-TEXTS = [f"def func_{i}(x, y={i % 7}):\n    '''héllo wörld {i}: ñ 日本'''\n    return x * {i} + y  # note\n"
-         for i in range(400)]
 SAMPLE = "def main(argv):\n    return 'héllo 日本' + str(len(argv))  # done\n\n"
 EXTRA_LINE = "pip install -e '.[data]'"
-
-
-def make_hf(folder: Path, vocab_size: int = 300, config: bool = True, texts: list[str] = TEXTS) -> Path:
-    """A byte-level BPE trained by the tokenizers library (and its tokenizer_config.json) in ``folder``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<s>", "<pad>"], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    folder.mkdir(parents=True, exist_ok=True)
-    tok.save(str(folder / "tokenizer.json"))
-    if config:
-        (folder / "tokenizer_config.json").write_text(json.dumps(
-            {"bos_token": "<s>", "eos_token": "<|endoftext|>", "pad_token": {"content": "<pad>", "special": True}}))
-    return folder / "tokenizer.json"
 
 
 def make_tiktoken(path: Path) -> dict[bytes, int]:

@@ -1,0 +1,47 @@
+"""Small inputs several test files build the same way: a Hugging Face tokenizer and per-domain shards."""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+
+from torchtitan_ext.data.shards import write_shard
+
+TEXTS = [f"def func_{i}(x, y={i % 7}):\n    '''héllo wörld {i}: ñ 日本'''\n    return x * {i} + y  # note\n"
+         for i in range(400)]
+
+
+def make_hf(folder: Path, vocab_size: int = 300, config: bool = True, texts: list[str] = TEXTS) -> Path:
+    """A byte-level BPE trained by the tokenizers library (and its tokenizer_config.json) in ``folder``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<s>", "<pad>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    if config:
+        (folder / "tokenizer_config.json").write_text(json.dumps(
+            {"bos_token": "<s>", "eos_token": "<|endoftext|>", "pad_token": {"content": "<pad>", "special": True}}))
+    return folder / "tokenizer.json"
+
+
+def write_domains(folder: Path, n_domains: int = 2) -> list[dict]:
+    """Byte-tokenized shards of distinct text per domain (stdlib sources, their docstrings-less halves)."""
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    tables = []
+    for d in range(n_domains):
+        text = "".join(f.read_text(errors="replace") for f in files[d * 12:(d + 1) * 12])
+        tokens = np.frombuffer(text.encode(), dtype=np.uint8).astype(np.int32)
+        cut = len(tokens) // 8
+        write_shard(folder / f"d{d}_val.bin", tokens[:cut])
+        write_shard(folder / f"d{d}_train.bin", tokens[cut:])
+        tables.append({"name": f"d{d}", "train": str(folder / f"d{d}_train.bin"),
+                       "val": str(folder / f"d{d}_val.bin"), "weight": float(d + 1)})
+    return tables
