@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import subprocess
 
 import pytest
 from trainer_utils import CKPT_EVERY_2, run_trainer
@@ -34,3 +35,24 @@ def restore_signal_handlers():
     yield
     for sig, handler in saved.items():
         signal.signal(sig, handler)
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """``tmpfs(size)``: a real filesystem of ``size`` (mount's spelling: "1m") under ``tmp_path``, for the
+    full-disk tests (CI runs as root; skipped where mounting is refused); unmounted afterwards."""
+    mounts = []
+
+    def mount(size: str):
+        path = tmp_path / f"fs{len(mounts)}"
+        path.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here (needs root): {proc.stderr.strip()}")
+        mounts.append(path)
+        return path
+
+    yield mount
+    for path in mounts:
+        subprocess.run(["umount", "-l", str(path)], check=False)

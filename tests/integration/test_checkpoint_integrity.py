@@ -157,18 +157,9 @@ def test_integrity_note_claims_only_what_was_checked(checkpointed_run, tmp_path)
 
 
 @pytest.fixture
-def small_fs(tmp_path):
-    """A real 6 MiB filesystem (tmpfs; CI runs as root), unmounted afterwards."""
-    import subprocess
-
-    mount = tmp_path / "fs"
-    mount.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mount)], capture_output=True,
-                          text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {proc.stderr.strip()}")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
+def small_fs(tmpfs):
+    """A real 6 MiB filesystem (integration/conftest.py's tmpfs)."""
+    return tmpfs("6m")
 
 
 def test_full_disk_during_a_save_is_one_line(small_fs):

@@ -177,16 +177,9 @@ def test_ctrl_c_with_workers_stops_cleanly_and_a_rerun_completes(tmp_path, capsy
 
 
 @pytest.fixture
-def small_fs(tmp_path):
-    """A real 1 MiB filesystem (tmpfs; CI runs as root), unmounted afterwards."""
-    mount = tmp_path / "fs"
-    mount.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True,
-                          text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {proc.stderr.strip()}")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
+def small_fs(tmpfs):
+    """A real 1 MiB filesystem (integration/conftest.py's tmpfs)."""
+    return tmpfs("1m")
 
 
 def test_a_full_disk_names_the_shard_and_enospc(small_fs, tmp_path, capsys):
