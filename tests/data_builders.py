@@ -1,4 +1,5 @@
-"""Small inputs several test files build the same way: a Hugging Face tokenizer and per-domain shards."""
+"""Small inputs several test files build the same way: a Hugging Face tokenizer, per-domain shards, chat
+conversations and JSONL trees."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import sysconfig
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from torchtitan_ext.data.shards import write_shard
 
@@ -45,3 +47,38 @@ def write_domains(folder: Path, n_domains: int = 2) -> list[dict]:
         tables.append({"name": f"d{d}", "train": str(folder / f"d{d}_train.bin"),
                        "val": str(folder / f"d{d}_val.bin"), "weight": float(d + 1)})
     return tables
+
+
+def conversation(i: int) -> list[dict]:
+    """Chat turns of conversation ``i``: a question and its answer; every third one with a system turn and a
+    second exchange."""
+    turns = [{"role": "user", "content": f"what is {i} plus {i}?"},
+             {"role": "assistant", "content": f"{2 * i}."}]
+    if i % 3 == 0:
+        turns = [{"role": "system", "content": "be brief"}, *turns,
+                 {"role": "user", "content": "and times two?"}, {"role": "assistant", "content": f"{4 * i}"}]
+    return turns
+
+
+def write_chat(path: Path, n: int, start: int = 0) -> Path:
+    """A JSONL chat file of conversations ``start`` .. ``start + n - 1``."""
+    path.write_text("".join(json.dumps({"messages": conversation(i)}) + "\n" for i in range(start, start + n)))
+    return path
+
+
+def write_trees(path: Path, n: int, seed: int) -> list[dict]:
+    """A JSONL file of ``n`` random trees of 1-5 nodes (short lower-case texts), nodes in reverse order."""
+    rng = torch.Generator().manual_seed(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz "
+    trees = []
+    for t in range(n):
+        nodes = []
+        for i in range(int(torch.randint(1, 6, (1,), generator=rng))):
+            parent = None if i == 0 else int(torch.randint(0, i, (1,), generator=rng))
+            text = "".join(letters[int(c)] for c in torch.randint(0, 27, (int(torch.randint(2, 9, (1,),
+                                                                                             generator=rng)),),
+                                                                   generator=rng))
+            nodes.append({"id": f"{t}-{i}", "parent": None if parent is None else f"{t}-{parent}", "text": text})
+        trees.append({"nodes": nodes[::-1]})  # any order in the file: prepare sorts them
+    path.write_text("\n".join(json.dumps(x) for x in trees) + "\n")
+    return trees

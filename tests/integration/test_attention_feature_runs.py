@@ -3,12 +3,11 @@ against one process (gloo), the logged loss, tree data that resumes exactly, one
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 
 import pytest
-import torch
+from data_builders import write_trees
 from trainer_utils import losses, read_metrics, run_trainer
 
 ALL = ["--data.attention", "document", "--data.position_reset", "true", "--training.attention_z_reg", "0.05",
@@ -80,27 +79,10 @@ def test_bad_options_one_line(tmp_path):
         assert proc.stderr.strip().count("\n") == 0 and words in proc.stderr, proc.stderr
 
 
-def _write_trees(path, n: int, seed: int) -> list[dict]:
-    rng = torch.Generator().manual_seed(seed)
-    letters = "abcdefghijklmnopqrstuvwxyz "
-    trees = []
-    for t in range(n):
-        nodes = []
-        for i in range(int(torch.randint(1, 6, (1,), generator=rng))):
-            parent = None if i == 0 else int(torch.randint(0, i, (1,), generator=rng))
-            text = "".join(letters[int(c)] for c in torch.randint(0, 27, (int(torch.randint(2, 9, (1,),
-                                                                                             generator=rng)),),
-                                                                   generator=rng))
-            nodes.append({"id": f"{t}-{i}", "parent": None if parent is None else f"{t}-{parent}", "text": text})
-        trees.append({"nodes": nodes[::-1]})  # any order in the file: prepare sorts them
-    path.write_text("\n".join(json.dumps(x) for x in trees) + "\n")
-    return trees
-
-
 def test_tree_data_trains_and_resumes_exactly(tmp_path):
     from torchtitan_ext.data.prepare.__main__ import trees_main as prepare_main
 
-    _write_trees(tmp_path / "t.jsonl", 60, 1)
+    write_trees(tmp_path / "t.jsonl", 60, 1)
     from torchtitan_ext.data.prepare.__main__ import main as data_prepare
 
     assert data_prepare(["--trees", "--input", str(tmp_path / "t.jsonl"), "--output-dir", str(tmp_path / "data"),

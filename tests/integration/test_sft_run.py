@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from data_builders import conversation, write_chat
 from trainer_utils import losses, run_trainer
 
 from torchtitan_ext.config.job_config import DataSection
@@ -18,27 +17,13 @@ from torchtitan_ext.data.registry import build_tokenizer
 BYTES = build_tokenizer(DataSection(tokenizer="byte"))
 
 
-def _conversation(i: int) -> list[dict]:
-    turns = [{"role": "user", "content": f"what is {i} plus {i}?"},
-             {"role": "assistant", "content": f"{2 * i}."}]
-    if i % 3 == 0:
-        turns = [{"role": "system", "content": "be brief"}, *turns,
-                 {"role": "user", "content": "and times two?"}, {"role": "assistant", "content": f"{4 * i}"}]
-    return turns
-
-
-def _write_chat(path: Path, n: int, start: int = 0) -> Path:
-    path.write_text("".join(json.dumps({"messages": _conversation(i)}) + "\n" for i in range(start, start + n)))
-    return path
-
-
 def test_sft_from_a_pretrained_dump(tmp_path):
     """Pretrain 20 steps, then fine-tune on conversations from that dump folder: the fine-tuning loss (on
     the assistant's tokens) starts from the pretrained model and falls; without initial weights the job
     stops with one line."""
     run_trainer(tmp_path / "pre", 0, "--training.steps", "20", "--checkpoint.enabled", "true")
-    chat = ["--data.dataset", "chat", "--data.train_path", str(_write_chat(tmp_path / "train.jsonl", 64)),
-            "--data.val_path", str(_write_chat(tmp_path / "val.jsonl", 8, start=100)), "--training.mode", "sft",
+    chat = ["--data.dataset", "chat", "--data.train_path", str(write_chat(tmp_path / "train.jsonl", 64)),
+            "--data.val_path", str(write_chat(tmp_path / "val.jsonl", 8, start=100)), "--training.mode", "sft",
             "--training.seq_len", "128", "--training.steps", "30", "--eval.steps", "2", "--eval.interval", "30"]
     run_trainer(tmp_path / "sft", 0, *chat, "--checkpoint.initial_load_path", str(tmp_path / "pre"),
                 "--checkpoint.enabled", "true")
@@ -50,8 +35,8 @@ def test_sft_from_a_pretrained_dump(tmp_path):
                           "--output", str(tmp_path / "hf")], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     hf = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
-    tokens, _ = conversation_tokens(_conversation(3), BYTES, ChatTemplate(), "chat")
-    ids = hf.apply_chat_template(_conversation(3), tokenize=True, return_dict=False)
+    tokens, _ = conversation_tokens(conversation(3), BYTES, ChatTemplate(), "chat")
+    ids = hf.apply_chat_template(conversation(3), tokenize=True, return_dict=False)
     assert list(ids) + [BYTES.eot_id] == tokens.tolist()
     proc = run_trainer(tmp_path / "sft2", 0, *chat, check=False)
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0

@@ -4,11 +4,11 @@ each conversation alone (float64), and a fine-tuning run from a pretrained dump 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from data_builders import conversation, write_chat
 
 from torchtitan_ext.config.job_config import DataSection
 from torchtitan_ext.data.chat import ChatTemplate, conversation_tokens
@@ -22,20 +22,6 @@ from torchtitan_ext.train.losses import cross_entropy_loss
 BYTES = build_tokenizer(DataSection(tokenizer="byte"))
 
 
-def _conversation(i: int) -> list[dict]:
-    turns = [{"role": "user", "content": f"what is {i} plus {i}?"},
-             {"role": "assistant", "content": f"{2 * i}."}]
-    if i % 3 == 0:
-        turns = [{"role": "system", "content": "be brief"}, *turns,
-                 {"role": "user", "content": "and times two?"}, {"role": "assistant", "content": f"{4 * i}"}]
-    return turns
-
-
-def _write_chat(path: Path, n: int, start: int = 0) -> Path:
-    path.write_text("".join(json.dumps({"messages": _conversation(i)}) + "\n" for i in range(start, start + n)))
-    return path
-
-
 def test_assistant_mask_by_hand():
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     tokens, mask = conversation_tokens(messages, BYTES, ChatTemplate(), "hand")
@@ -46,7 +32,7 @@ def test_assistant_mask_by_hand():
 
 
 def test_masked_tokens_contribute_zero_gradient(tmp_path):
-    loader = ChatLoader([_write_chat(tmp_path / "c.jsonl", 12)], BYTES, ChatTemplate(), seq_len=96,
+    loader = ChatLoader([write_chat(tmp_path / "c.jsonl", 12)], BYTES, ChatTemplate(), seq_len=96,
                         local_batch_size=2, dp_rank=0, dp_world_size=1, seed=0, shuffle=True)
     batch = loader.next_batch()
     logits = torch.randn(*batch.labels.shape, BYTES.vocab_size, dtype=torch.float64, requires_grad=True)
@@ -60,7 +46,7 @@ def test_masked_tokens_contribute_zero_gradient(tmp_path):
 def test_packed_conversations_equal_each_alone(tmp_path):
     """Each conversation's logits in a packed window (document visibility, positions from 0) equal the
     model's logits for that conversation alone, float64."""
-    loader = ChatLoader([_write_chat(tmp_path / "c.jsonl", 9)], BYTES, ChatTemplate(), seq_len=256,
+    loader = ChatLoader([write_chat(tmp_path / "c.jsonl", 9)], BYTES, ChatTemplate(), seq_len=256,
                         local_batch_size=2, dp_rank=0, dp_world_size=1, seed=0, shuffle=False)
     torch.manual_seed(0)
     model = Decoder(ModelArgs(vocab_size=BYTES.vocab_size, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -83,7 +69,7 @@ def test_packed_conversations_equal_each_alone(tmp_path):
 
 def test_malformed_line_is_one_error(tmp_path):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"messages": _conversation(1)}) + "\n" + '{"messages": [{"role": "robot"}]}\n')
+    bad.write_text(json.dumps({"messages": conversation(1)}) + "\n" + '{"messages": [{"role": "robot"}]}\n')
     with pytest.raises(ConfigError, match=r"bad.jsonl:2: expected"):
         ChatLoader([bad], BYTES, ChatTemplate(), seq_len=64, local_batch_size=1, dp_rank=0, dp_world_size=1,
                    seed=0, shuffle=False)

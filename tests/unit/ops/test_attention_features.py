@@ -5,12 +5,12 @@ gloo processes, every layout against one process."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
+from data_builders import write_trees
 
 from torchtitan_ext.data.documents import document_batch
 from torchtitan_ext.models.args import ModelArgs
@@ -221,28 +221,11 @@ def test_kv_share_param_counts():
         assert len(consumers) == args.n_layers - kv_layers and all(m.wk is None for m in consumers)
 
 
-def _write_trees(path, n: int, seed: int) -> list[dict]:
-    rng = torch.Generator().manual_seed(seed)
-    letters = "abcdefghijklmnopqrstuvwxyz "
-    trees = []
-    for t in range(n):
-        nodes = []
-        for i in range(int(torch.randint(1, 6, (1,), generator=rng))):
-            parent = None if i == 0 else int(torch.randint(0, i, (1,), generator=rng))
-            text = "".join(letters[int(c)] for c in torch.randint(0, 27, (int(torch.randint(2, 9, (1,),
-                                                                                             generator=rng)),),
-                                                                   generator=rng))
-            nodes.append({"id": f"{t}-{i}", "parent": None if parent is None else f"{t}-{parent}", "text": text})
-        trees.append({"nodes": nodes[::-1]})  # any order in the file: prepare sorts them
-    path.write_text("\n".join(json.dumps(x) for x in trees) + "\n")
-    return trees
-
-
 def test_tree_shards_and_windows(tmp_path):
     from torchtitan_ext.data.sources.trees import TreeDataLoader, prepare_trees
     from torchtitan_ext.data.tokenizers import ByteTokenizer
 
-    _write_trees(tmp_path / "t.jsonl", 30, 0)
+    write_trees(tmp_path / "t.jsonl", 30, 0)
     tok = ByteTokenizer()
     counts = prepare_trees([tmp_path / "t.jsonl"], tmp_path / "out", tok)
     assert counts["trees"] == 30
@@ -273,7 +256,7 @@ def test_home_paths_expand_for_trees_and_chat(tmp_path, monkeypatch):
     from torchtitan_ext.data.sources.chat import _files
 
     monkeypatch.setenv("HOME", str(tmp_path))
-    _write_trees(tmp_path / "t.jsonl", 5, 0)
+    write_trees(tmp_path / "t.jsonl", 5, 0)
     assert data_prepare(["--trees", "--input", "~/t*.jsonl", "--output-dir", str(tmp_path / "out"),
                          "--tokenizer", "byte"]) == 0
     assert list((tmp_path / "out").glob("*.bin"))
