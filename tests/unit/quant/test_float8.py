@@ -18,7 +18,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from dist_utils import run_distributed
-from float8_utils import TORCHAO_ERROR, init_decoder, needs_torchao, train_losses
+from float8_utils import (
+    TINY,
+    TORCHAO_ERROR,
+    init_decoder,
+    needs_torchao,
+    tiny_float8,
+    tiny_tokens,
+    train_accumulated,
+    train_losses,
+)
 
 from torchtitan_ext.config.job_config import Float8Section
 from torchtitan_ext.errors import ConfigError
@@ -266,7 +275,7 @@ def test_emulated_float8_linear_matches_reference(recipe):
 @needs_torchao
 def test_emulated_float8_decoder_trains_like_float32():
     """A tiny decoder memorising one batch: every float8 loss within 3% of the float32 run's, both falling."""
-    args, tokens = TINY, _tiny_tokens()
+    args, tokens = TINY, tiny_tokens()
     runs = {}
     for name in ("float32", "float8"):
         torch.manual_seed(0)
@@ -284,27 +293,7 @@ def test_emulated_float8_decoder_trains_like_float32():
 # ----------------------------------------------------------------------------------------------------------
 # Composition with TP and FSDP2 over 2 gloo processes (emulated FP8), against one process.
 
-TINY = ModelArgs(vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=32)
 TINY_F8 = Float8Section(enabled=True, min_dim=16)
-
-
-def _tiny_float8(parallelize=None) -> Decoder:
-    """The trainer's order: build on meta, convert, parallelize, materialise and initialise."""
-    from torchtitan_ext.parallel.init import materialize_and_init
-
-    with torch.device("meta"):
-        model = Decoder(TINY)
-    plan = model.init_plan()
-    f8.convert_to_float8(model, TINY_F8, emulate=True, log=lambda s: None)
-    if parallelize is not None:
-        parallelize(model)
-    materialize_and_init(model, torch.device("cpu"), seed=0, plan=plan)
-    model.init_buffers(torch.device("cpu"))
-    return model
-
-
-def _tiny_tokens() -> torch.Tensor:
-    return torch.randint(0, 128, (4, 33), generator=torch.Generator().manual_seed(0))
 
 
 def _mlp_float8() -> nn.Sequential:
@@ -321,7 +310,7 @@ def _tp_worker(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor, torch
     from torchtitan_ext.parallel.tp import apply_tp
 
     mesh = init_device_mesh("cpu", (world,))
-    logits = _tiny_float8(lambda m: apply_tp(m, mesh, loss_parallel=False))(_tiny_tokens()[:, :-1])
+    logits = tiny_float8(TINY_F8, lambda m: apply_tp(m, mesh, loss_parallel=False))[0](tiny_tokens()[:, :-1])
     colwise, rowwise, _ = f8.float8_tp_styles(True)
     mlp = _mlp_float8()
     parallelize_module(mlp, mesh, {"0": colwise(), "2": rowwise()})
@@ -336,7 +325,7 @@ def test_float8_under_tensor_parallel_matches_one_process():
     """The project's TP plan over Float8Linear blocks, and torchao's float8 TP styles (float8 all-gathers),
     give one process's emulated float8 results: tensorwise scales are global amaxes of the DTensors."""
     results = run_distributed(_tp_worker, 2)
-    logits = _tiny_float8()(_tiny_tokens()[:, :-1]).detach()
+    logits = tiny_float8(TINY_F8)[0](tiny_tokens()[:, :-1]).detach()
     mlp = _mlp_float8()
     x = torch.randn(16, 64, generator=torch.Generator().manual_seed(1), requires_grad=True)
     y = mlp(x)
@@ -347,31 +336,14 @@ def test_float8_under_tensor_parallel_matches_one_process():
         torch.testing.assert_close(got_grad, x.grad, rtol=1e-5, atol=1e-7)
 
 
-def _train(model: nn.Module, batches: list[torch.Tensor], steps: int) -> list[float]:
-    """AdamW steps, gradients accumulated over ``batches`` (one micro-batch each); mean loss per step."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(steps):
-        total = 0.0
-        for tokens in batches:
-            logits = model(tokens[:, :-1])
-            loss = nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()) / len(batches)
-            loss.backward()
-            total += loss.detach()
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    return torch.stack(losses)
-
-
 def _fsdp_worker(rank: int, world: int) -> torch.Tensor:
     from torch.distributed.device_mesh import init_device_mesh
 
     from torchtitan_ext.parallel.fsdp import apply_fsdp
 
     mesh = init_device_mesh("cpu", (world,))
-    model = _tiny_float8(lambda m: apply_fsdp(m, mesh, torch.float32, torch.float32))
-    losses = _train(model, [_tiny_tokens()[2 * rank:2 * rank + 2]], steps=4)
+    model = tiny_float8(TINY_F8, lambda m: apply_fsdp(m, mesh, torch.float32, torch.float32))[0]
+    losses = train_accumulated(model, [tiny_tokens()[2 * rank:2 * rank + 2]], steps=4)
     dist.all_reduce(losses, op=dist.ReduceOp.AVG)
     return losses
 
@@ -382,8 +354,8 @@ def test_float8_under_fsdp_matches_one_process():
     float8, so float8 all-gather is left to the GPU benchmark) trains like one process that sees each
     rank's half-batch as a micro-batch (the input scales are per rank's batch)."""
     results = run_distributed(_fsdp_worker, 2)
-    tokens = _tiny_tokens()
-    ref = _train(_tiny_float8(), [tokens[:2], tokens[2:]], steps=4)
+    tokens = tiny_tokens()
+    ref = train_accumulated(tiny_float8(TINY_F8)[0], [tokens[:2], tokens[2:]], steps=4)
     for got in results:
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
     assert ref[-1] < ref[0]

@@ -7,23 +7,17 @@ import pytest
 import torch
 import torch.nn as nn
 from dist_utils import run_distributed
-from test_float8 import _train  # AdamW over accumulated micro-batches, loss per step
+from float8_utils import TINY, TORCHAO_ERROR, needs_torchao, tiny_float8, tiny_tokens, train_accumulated
 
 from torchtitan_ext.config.job_config import Float8Section
-from torchtitan_ext.models.args import ModelArgs
 from torchtitan_ext.models.decoder import Decoder
 from torchtitan_ext.parallel.compile import apply_compile
 from torchtitan_ext.quant import float8 as f8
 
-try:
+if TORCHAO_ERROR is None:
     from torchao.float8.float8_linear import Float8Linear
 
-    TORCHAO_ERROR = None
-except Exception as e:  # not installed, or built for another torch
-    TORCHAO_ERROR = f"torchao.float8 does not import here: {type(e).__name__}: {e}"
-
-needs_torchao = pytest.mark.skipif(TORCHAO_ERROR is not None, reason=str(TORCHAO_ERROR))
-TINY = ModelArgs(vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=32)
+HEAD = Float8Section(enabled=True, min_dim=16, include_output=True)
 
 
 def test_include_output_converts_the_head_despite_filter_fqns():
@@ -38,26 +32,13 @@ def test_include_output_converts_the_head_despite_filter_fqns():
 
 
 def _float8_model(parallelize=None) -> Decoder:
-    from torchtitan_ext.parallel.init import materialize_and_init
-
-    with torch.device("meta"):
-        model = Decoder(TINY)
-    plan = model.init_plan()
-    cfg = Float8Section(enabled=True, min_dim=16, include_output=True)
-    assert "output" in f8.convert_to_float8(model, cfg, emulate=True, log=lambda s: None)
-    if parallelize is not None:
-        parallelize(model)
-    materialize_and_init(model, torch.device("cpu"), seed=0, plan=plan)
-    model.init_buffers(torch.device("cpu"))
+    model, converted = tiny_float8(HEAD, parallelize)
+    assert "output" in converted
     return model
 
 
-def _tokens() -> torch.Tensor:
-    return torch.randint(0, 128, (4, 33), generator=torch.Generator().manual_seed(0))
-
-
 def _loss_and_head_grad(model: nn.Module, loss_context) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens = _tokens()
+    tokens = tiny_tokens()
     with loss_context():
         logits = model(tokens[:, :-1])
         loss = nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
@@ -112,7 +93,7 @@ def _fsdp_head_worker(rank: int, world: int) -> torch.Tensor:
         model.layers = blocks
         apply_fsdp(model, mesh, torch.float32, torch.float32)
 
-    losses = _train(_float8_model(parallelize), [_tokens()[2 * rank:2 * rank + 2]], steps=3)
+    losses = train_accumulated(_float8_model(parallelize), [tiny_tokens()[2 * rank:2 * rank + 2]], steps=3)
     dist.all_reduce(losses, op=dist.ReduceOp.AVG)
     return losses
 
@@ -122,8 +103,8 @@ def _fsdp_head_worker(rank: int, world: int) -> torch.Tensor:
 def test_compiled_float8_head_under_fsdp_trains_like_one_process():
     """The compiled float8 head inside FSDP2's root unit: 3 AdamW steps on 2 ranks equal one eager process
     taking each rank's half-batch as a micro-batch."""
-    tokens = _tokens()
-    ref = _train(_float8_model(), [tokens[:2], tokens[2:]], steps=3)
+    tokens = tiny_tokens()
+    ref = train_accumulated(_float8_model(), [tokens[:2], tokens[2:]], steps=3)
     for got in run_distributed(_fsdp_head_worker, 2):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
     assert ref[-1] < ref[0]
