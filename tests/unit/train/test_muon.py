@@ -69,9 +69,12 @@ def _sharded_muon(rank: int, world: int) -> list[torch.Tensor]:
     return _dtensor_muon(_problem, (0, 1, 0), 0.95, world)
 
 
-def _problem() -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
-    gen = torch.Generator().manual_seed(2)
-    shapes = [(5, 3), (4, 7), (3, 5, 6)]
+Problem = tuple[list[torch.Tensor], list[list[torch.Tensor]]]
+
+
+def _problem(shapes=((5, 3), (4, 7), (3, 5, 6)), seed: int = 2) -> Problem:
+    """Random weights of ``shapes`` and two steps of random gradients for them."""
+    gen = torch.Generator().manual_seed(seed)
     full = [torch.randn(s, generator=gen) for s in shapes]
     grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(2)]
     return full, grads
@@ -95,13 +98,9 @@ def _one_rank_dtensor_muon(rank: int, world: int) -> list[torch.Tensor]:
     return _dtensor_muon(_batched_problem, (0,) * 8, 0.9, world)
 
 
-def _batched_problem() -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+def _batched_problem() -> Problem:
     """Three (6, 10) matrices, two (10, 6), a (2, 4, 5) stack twice and a lone (3, 3): batches of 3, 2, 2, 1."""
-    gen = torch.Generator().manual_seed(3)
-    shapes = [(6, 10)] * 3 + [(10, 6)] * 2 + [(2, 4, 5)] * 2 + [(3, 3)]
-    full = [torch.randn(s, generator=gen) for s in shapes]
-    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(2)]
-    return full, grads
+    return _problem([(6, 10)] * 3 + [(10, 6)] * 2 + [(2, 4, 5)] * 2 + [(3, 3)], seed=3)
 
 
 def test_same_shapes_batched_and_one_rank_dtensors_match_float64(monkeypatch):
