@@ -80,14 +80,20 @@ def _problem(shapes=((5, 3), (4, 7), (3, 5, 6)), seed: int = 2) -> Problem:
     return full, grads
 
 
-def test_sharded_muon_equals_one_process():
-    full, grads = _problem()
+def _muon_steps(full: list[torch.Tensor], grads: list[list[torch.Tensor]], momentum: float
+                ) -> list[torch.nn.Parameter]:
+    """Parameters starting at ``full`` after a plain Muon (lr 0.05, weight decay 0.1) step per gradient list."""
     params = [torch.nn.Parameter(w.clone()) for w in full]
-    opt = Muon(params, lr=0.05, momentum=0.95, weight_decay=0.1)
+    opt = Muon(params, lr=0.05, momentum=momentum, weight_decay=0.1)
     for step_grads in grads:
         for p, g in zip(params, step_grads, strict=True):
             p.grad = g.clone()
         opt.step()
+    return params
+
+
+def test_sharded_muon_equals_one_process():
+    params = _muon_steps(*_problem(), momentum=0.95)
     for rank_result in run_distributed(_sharded_muon, 2):
         for got, want in zip(rank_result, params, strict=True):
             torch.testing.assert_close(got, want.detach(), atol=1e-6, rtol=1e-6)
@@ -117,13 +123,7 @@ def test_same_shapes_batched_and_one_rank_dtensors_match_float64(monkeypatch):
             refs[i] = refs[i] * (1 - 0.05 * 0.1) - 0.05 * step
     for batch_elements in (muon.BATCH_ELEMENTS, 120):  # 120: the three (6, 10) matrices in batches of 2 and 1
         monkeypatch.setattr(muon, "BATCH_ELEMENTS", batch_elements)
-        params = [torch.nn.Parameter(w.clone()) for w in full]
-        opt = Muon(params, lr=0.05, momentum=0.9, weight_decay=0.1)
-        for step_grads in grads:
-            for p, g in zip(params, step_grads, strict=True):
-                p.grad = g.clone()
-            opt.step()
-        for got, want in zip(params, refs, strict=True):
+        for got, want in zip(_muon_steps(full, grads, momentum=0.9), refs, strict=True):
             torch.testing.assert_close(got.detach().double(), want, atol=1e-5, rtol=1e-5)
     for got, want in zip(run_distributed(_one_rank_dtensor_muon, 1)[0], refs, strict=True):
         torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
