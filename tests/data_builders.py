@@ -1,5 +1,5 @@
 """Small inputs several test files build the same way: a Hugging Face tokenizer, per-domain shards, chat
-conversations and JSONL trees."""
+conversations, JSONL trees and small random models."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import numpy as np
 import torch
 
 from torchtitan_ext.data.shards import write_shard
+from torchtitan_ext.models.args import ModelArgs
+from torchtitan_ext.models.decoder import Decoder
 
 TEXTS = [f"def func_{i}(x, y={i % 7}):\n    '''héllo wörld {i}: ñ 日本'''\n    return x * {i} + y  # note\n"
          for i in range(400)]
@@ -82,3 +84,20 @@ def write_trees(path: Path, n: int, seed: int) -> list[dict]:
         trees.append({"nodes": nodes[::-1]})  # any order in the file: prepare sorts them
     path.write_text("\n".join(json.dumps(x) for x in trees) + "\n")
     return trees
+
+
+# A small Decoder's arguments (the eval, generation and export tests' default).
+SMALL_MODEL = dict(vocab_size=97, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=96, max_seq_len=48,
+                   rope_theta=500.0)
+
+
+def random_decoder(seed: int = 0, base: dict = SMALL_MODEL, **kw) -> Decoder:
+    """A Decoder of ``base`` updated by ``kw`` in eval mode, with random weights large enough to give peaked
+    logits (matrices N(0, 0.2), norm weights U(0.5, 1.5)) from ``seed``."""
+    torch.manual_seed(seed)
+    model = Decoder(ModelArgs(**{**base, **kw}))
+    model.init_buffers(torch.device("cpu"))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2) if p.ndim > 1 else p.uniform_(0.5, 1.5)
+    return model.eval()

@@ -13,6 +13,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from data_builders import random_decoder
 from trainer_utils import REPO, TEST_CACHE, read_metrics, run_trainer
 
 from torchtitan_ext.data.shards import read_shard
@@ -41,16 +42,20 @@ def trained(tmp_path_factory):
     return dump
 
 
-def _random_model(seed: int = 0, **kw) -> Decoder:
-    args = ModelArgs(**{**dict(vocab_size=97, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=96,
-                               max_seq_len=48, rope_theta=500.0), **kw})
-    torch.manual_seed(seed)
-    model = Decoder(args)
-    model.init_buffers(torch.device("cpu"))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2) if p.ndim > 1 else p.uniform_(0.5, 1.5)
-    return model.eval()
+@pytest.fixture(scope="module")
+def eval_of_trained(trained):
+    """The eval CLI on ``trained`` in one process, each set of arguments run once (the TP2 and PP2 sliding-eval
+    tests compare with the same two evaluations): arguments -> the result's JSON."""
+    done: dict[tuple[str, ...], dict] = {}
+
+    def run(*args: str) -> dict:
+        if args not in done:
+            out = _cli("torchtitan_ext.eval", "--config", str(trained / "config.toml"), *args)
+            assert out.returncode == 0, out.stderr
+            done[args] = json.loads(out.stdout)
+        return done[args]
+
+    return run
 
 
 def test_val_bpb_on_bytes_and_eval_cli(trained, tmp_path):
@@ -78,7 +83,7 @@ def test_val_bpb_on_bytes_and_eval_cli(trained, tmp_path):
 
 @pytest.mark.parametrize("layout", [["--training.local_batch_size", "3"], ["--parallelism.tp", "2"],
                                     ["--parallelism.pp", "2"]], ids=["fsdp2", "tp2", "pp2"])
-def test_trainer_sliding_eval_equals_eval_cli(trained, tmp_path, layout):
+def test_trainer_sliding_eval_equals_eval_cli(trained, eval_of_trained, tmp_path, layout):
     """The trainer's evaluation with eval.stride, resumed at the last step of the trained job (so it only
     evaluates): 2 FSDP ranks splitting the windows (3 per rank: the last global batch padded with windows that
     score nothing), TP2 (loss parallel over the vocabulary), or PP2 (2 micro-batches of different scored token
@@ -88,16 +93,12 @@ def test_trainer_sliding_eval_equals_eval_cli(trained, tmp_path, layout):
     run_trainer(tmp_path / "job", 2, *LLAMA, *sliding, *layout)
     final = [r for r in map(json.loads, (tmp_path / "job" / "metrics.jsonl").read_text().splitlines())][-1]
     batch = layout[1] if layout[0] == "--training.local_batch_size" else "4"
-    out = _cli("torchtitan_ext.eval", "--config", str(trained / "config.toml"), *sliding,
-               "--training.local_batch_size", batch)
-    assert out.returncode == 0, out.stderr
-    res = json.loads(out.stdout)
+    res = eval_of_trained(*sliding, "--training.local_batch_size", batch)
     assert res["scored_tokens"] == 8 * int(batch) * 64 and res["stride"] == 16
     assert final["step"] == 6 and final["val_loss"] == pytest.approx(res["val_loss"], rel=1e-5)
     assert final["val_bpb"] == pytest.approx(res["val_bpb"], rel=1e-5)
-    plain = _cli("torchtitan_ext.eval", "--config", str(trained / "config.toml"), "--eval.steps", "8",
-                 "--training.local_batch_size", batch)
-    assert abs(final["val_loss"] - json.loads(plain.stdout)["val_loss"]) > 1e-3  # the stride made a difference
+    plain = eval_of_trained("--eval.steps", "8", "--training.local_batch_size", batch)
+    assert abs(final["val_loss"] - plain["val_loss"]) > 1e-3  # the stride made a difference
 
 
 def test_trainer_sliding_eval_refusals(tmp_path):
@@ -117,7 +118,7 @@ def test_generation_kv_cache_equals_no_cache(trained):
     # The cached forward's logits equal Decoder.forward's, prefill and per step (features of the debug flavor).
     extra = {k: v for k, v in (("kv_share", "interleaved"), ("residual_scalars", True))
              if k in {f.name for f in dataclasses.fields(ModelArgs)}}  # other issues' features, when present
-    rnd = _random_model(qk_norm=True, rope_fraction=0.5, nope_every=2, logit_softcap=20.0, n_layers=4, **extra)
+    rnd = random_decoder(qk_norm=True, rope_fraction=0.5, nope_every=2, logit_softcap=20.0, n_layers=4, **extra)
     seq = torch.randint(0, 97, (2, 24))
     cache = KVCache(rnd, 2, 24, torch.zeros(2, dtype=torch.long))
     parts = [forward_cached(rnd, seq[:, :10], cache)] + [forward_cached(rnd, seq[:, i:i + 1], cache)

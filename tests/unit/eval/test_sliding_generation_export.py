@@ -6,29 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from data_builders import random_decoder
 
 from torchtitan_ext.eval.sliding import sliding_sums, windows
 from torchtitan_ext.generate.decoding import generate
 from torchtitan_ext.hf.export import export_model
 from torchtitan_ext.hf.load import load_hf
-from torchtitan_ext.models.args import ModelArgs
-from torchtitan_ext.models.decoder import Decoder
-
-
-def _random_model(seed: int = 0, **kw) -> Decoder:
-    args = ModelArgs(**{**dict(vocab_size=97, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=96,
-                               max_seq_len=48, rope_theta=500.0), **kw})
-    torch.manual_seed(seed)
-    model = Decoder(args)
-    model.init_buffers(torch.device("cpu"))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2) if p.ndim > 1 else p.uniform_(0.5, 1.5)
-    return model.eval()
 
 
 def test_sliding_window_equals_token_by_token_reference():
-    model = _random_model().double()
+    model = random_decoder().double()
     tokens = torch.randint(0, 97, (70,))
     seq_len, stride = 16, 5
     spans = windows(len(tokens), seq_len, stride)
@@ -56,7 +43,7 @@ def test_compiled_generation_equals_eager():
     NoPE layers, KV sharing, residual scalars, MoDE, tied head, soft-cap."""
     from torch._dynamo.utils import counters
 
-    model = _random_model(qk_norm=True, rope_fraction=0.5, nope_every=2, logit_softcap=20.0, n_layers=4,
+    model = random_decoder(qk_norm=True, rope_fraction=0.5, nope_every=2, logit_softcap=20.0, n_layers=4,
                           kv_share="interleaved", residual_scalars=True, tie_embeddings=True, n_experts=4,
                           moe_every=2, moe_hidden=32)
     prompts = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17]]
@@ -85,7 +72,7 @@ def test_compiled_generation_equals_eager():
                                             ({"nope_every": 2}, "SmolLM3ForCausalLM")])
 def test_export_logits_equal_transformers(tmp_path, features, arch):
     transformers = pytest.importorskip("transformers", reason="pip install -e .[dev] installs transformers")
-    model = _random_model(**features)
+    model = random_decoder(**features)
     export_model(model, tmp_path, dtype=torch.float32)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     assert type(hf).__name__ == arch

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from data_builders import random_decoder
 from dist_utils import run_distributed
 
 from torchtitan_ext.hf import load as hf_load
@@ -19,21 +20,10 @@ from torchtitan_ext.hf.architectures import ExportError
 from torchtitan_ext.hf.export import export_checkpoint, export_model
 from torchtitan_ext.hf.load import load_hf, load_hf_weights
 from torchtitan_ext.hf.safetensors_io import SafetensorsReader, parse_size, plan_shards
-from torchtitan_ext.models.args import ModelArgs
 from torchtitan_ext.models.decoder import Decoder
 
 ARGS = dict(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=96, max_seq_len=32)
 MOE = dict(n_experts=4, top_k=2, moe_hidden=32)  # MoDE on every layer: MixtralForCausalLM
-
-
-def _random_model(**kw) -> Decoder:
-    torch.manual_seed(0)
-    model = Decoder(ModelArgs(**{**ARGS, **kw}))
-    model.init_buffers(torch.device("cpu"))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2) if p.ndim > 1 else p.uniform_(0.5, 1.5)
-    return model.eval()
 
 
 def test_size_parsing_and_shard_plan():
@@ -61,7 +51,7 @@ def test_streaming_export_holds_one_shard(tmp_path, monkeypatch):
     """Every dcp.load of the export gets one shard's tensors (bf16, as written) and the previous shard's are
     freed by then: the bytes alive at a load never pass max_shard_size + the largest tensor, for a model 20x
     the limit. The EMA export writes the EMA's average."""
-    model = _random_model(n_layers=4)
+    model = random_decoder(base=ARGS, n_layers=4)
     ema = {n: p.detach() * 2 for n, p in model.named_parameters()}
     step = _checkpoint(model, tmp_path / "step-1", ema)
     alive: list[weakref.ref] = []
@@ -100,7 +90,7 @@ def test_stacked_experts_written_per_expert(tmp_path):
     """MoDE's stacked experts in a native MoE class (Mixtral here): one tensor per expert, a shard boundary
     falling inside a stack, transformers' logits equal ours, load_hf stacks them back."""
     transformers = pytest.importorskip("transformers")
-    model = _random_model(**MOE)
+    model = random_decoder(base=ARGS, **MOE)
     res = export_model(model, tmp_path, dtype=torch.float32, max_shard_size=10_000)
     assert res.architecture == "MixtralForCausalLM" and res.native
     ours = model.state_dict()["layers.1.feed_forward.experts.w1"]
@@ -152,8 +142,8 @@ def test_each_rank_reads_its_slices(tmp_path, layout, world, moe):
     TP2 (colwise / rowwise, the norms replicated) or FSDP2 x TP2 (4 processes; uneven shards of the vocabulary
     and FFN): the full state each rank sees equals one process's load_hf, and each rank read only its share."""
     uneven = world == 4  # 250 / 2 / 2 and 200 / 2 / 2 rows: FSDP's shards of the TP shards differ in size
-    model = _random_model(vocab_size=250 if uneven else 256, dim=128, ffn_hidden=200 if uneven else 256,
-                          **(MOE if moe else {}))
+    model = random_decoder(base=ARGS, vocab_size=250 if uneven else 256, dim=128,
+                           ffn_hidden=200 if uneven else 256, **(MOE if moe else {}))
     export_model(model, tmp_path / "hf", dtype=torch.float32, max_shard_size=100_000)
     total = sum(v.numel() * 4 for k, v in model.state_dict().items() if "expert_bias" not in k)
     replicated = sum(v.numel() * 4 for k, v in model.state_dict().items() if "norm" in k)
