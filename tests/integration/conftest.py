@@ -12,7 +12,8 @@ from trainer_utils import CKPT_EVERY_2, run_trainer
 @pytest.fixture(scope="session")
 def tiny_one_process(tmp_path_factory):
     """The plain tiny job (trainer_utils.TINY: 5 steps) in one process: the reference of the parallel layouts
-    (test_parallel_layouts.py) and of plain DDP (test_bad_inputs_and_checkpoint_faults.py)."""
+    (test_parallel_layouts.py), of plain DDP and gradient accumulation (test_bad_inputs_and_checkpoint_faults.py)
+    and of Squinch under HSDP (test_squinch_train.py)."""
     dump = tmp_path_factory.mktemp("tiny_one_process")
     run_trainer(dump, 0)
     return dump

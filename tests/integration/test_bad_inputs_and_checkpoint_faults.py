@@ -179,13 +179,12 @@ def test_keep_latest_k_retention(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-4", "step-6"]
 
 
-def test_gradient_accumulation_equals_one_large_batch(tmp_path):
-    """2 micro-batches of 2 sequences give the losses of one batch of 4 (the same sequences)."""
-    run_trainer(tmp_path / "big", 0, "--training.steps", "3")
-    run_trainer(tmp_path / "accum", 0, "--training.steps", "3", "--training.local_batch_size", "2",
-                "--training.global_batch_size", "4")
-    big, accum = read_metrics(tmp_path / "big"), read_metrics(tmp_path / "accum")
-    assert [r["micro_batches"] for r in accum] == [2, 2, 2]
+def test_gradient_accumulation_equals_one_large_batch(tiny_one_process, tmp_path):
+    """2 micro-batches of 2 sequences give the losses of one batch of 4 (the same sequences: the plain tiny job,
+    integration/conftest.py)."""
+    run_trainer(tmp_path / "accum", 0, "--training.local_batch_size", "2", "--training.global_batch_size", "4")
+    big, accum = read_metrics(tiny_one_process), read_metrics(tmp_path / "accum")
+    assert [r["micro_batches"] for r in accum] == [2] * 5
     for b, a in zip(big, accum, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-3)
