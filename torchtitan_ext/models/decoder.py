@@ -25,6 +25,7 @@ from torchtitan_ext.ops.visibility import causal_block_mask
 from torchtitan_ext.ops.zreg import add_virtual_loss, attention_z_virtual
 
 PLAIN = ComputeOptions()  # eager torch kernels, no regulariser, logits out
+KV = tuple[torch.Tensor, torch.Tensor]  # a KV-sharing group's (k, v): normalised, rotated, (batch, seq, heads, hdim)
 
 
 def rope_inv_freq(args: ModelArgs, device: torch.device | None = None) -> torch.Tensor:
@@ -75,7 +76,7 @@ class Attention(nn.Module):
                  options: ComputeOptions = PLAIN):
         super().__init__()
         self.head_dim, self.use_rope, self.computes_kv = args.hdim, use_rope, computes_kv
-        self.returns_kv = args.kv_share != "none"  # forward returns (out, (k, v)) for the next layer of the group
+        self.shares_kv = args.kv_share != "none"  # forward hands on (k, v) for the next layers of the group
         self.wq = nn.Linear(args.dim, args.n_heads * args.hdim, bias=False)
         self.wk = nn.Linear(args.dim, args.kv_heads * args.hdim, bias=False) if computes_kv else None
         self.wv = nn.Linear(args.dim, args.kv_heads * args.hdim, bias=False) if computes_kv else None
@@ -105,10 +106,11 @@ class Attention(nn.Module):
         return q, k
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask=None,
-                kv: tuple[torch.Tensor, torch.Tensor] | None = None):
+                kv: KV | None = None) -> tuple[torch.Tensor, KV | None]:
         """x (batch, seq, dim); ``rope`` (cos, sin) at the tokens' positions; ``mask`` None (causal) or from
-        ``ops.attention.build_mask``; ``kv`` the shared (k, v) for a consumer layer. Returns out, or
-        (out, (k, v)) with KV sharing."""
+        ``ops.attention.build_mask``; ``kv`` the group's shared (k, v), read by a consumer layer. Returns
+        (out, kv): kv is the (k, v) the group's next layers attend over, None without KV sharing (so that
+        no block hands on, and activation checkpointing keeps, K and V nobody reads)."""
         b, t, _ = x.shape
         cos, sin = (r[None, :t] if r.ndim == 2 else r[:, :t] for r in rope)  # tables (seq, d) or (b, seq, d)
         q = self.wq(x).view(b, t, -1, self.head_dim)
@@ -127,8 +129,7 @@ class Attention(nn.Module):
             if lse is None:
                 lse = attention_lse(qh, kh, vh, mask, self.softmax_scale)
             self.lse_mean = lse.detach().float().mean()
-        out = self.wo(out.transpose(1, 2).reshape(b, t, -1))
-        return (out, (k, v)) if self.returns_kv else out
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1)), ((k, v) if self.shares_kv else None)
 
 
 class Block(nn.Module):
@@ -136,7 +137,6 @@ class Block(nn.Module):
         super().__init__()
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args, args.uses_rope(layer), args.computes_kv(layer), options)
-        self.shares_kv = args.kv_share != "none"  # forward also takes and returns the group's (k, v)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         if args.is_moe(layer):
             self.feed_forward = MoDE(args, options.fused_activation)
@@ -150,11 +150,9 @@ class Block(nn.Module):
         return branch if self.residual_scale is None else branch * self.residual_scale[i].to(branch.dtype)
 
     def attend(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask=None,
-               kv: tuple[torch.Tensor, torch.Tensor] | None = None):
+               kv: KV | None = None) -> tuple[torch.Tensor, torch.Tensor, KV | None]:
         """The block's first half: (h = x + attention(norm(x)), ffn_norm(h), the group's (k, v) or None)."""
-        attn = self.attention(self.attention_norm(x), rope, mask, kv)
-        if self.shares_kv:
-            attn, kv = attn
+        attn, kv = self.attention(self.attention_norm(x), rope, mask, kv)
         if self.fused_kernels and self.residual_scale is None:
             h, normed = add_rms_norm(x, attn, self.ffn_norm)
         else:
@@ -163,11 +161,10 @@ class Block(nn.Module):
         return h, normed, kv
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask=None,
-                kv: tuple[torch.Tensor, torch.Tensor] | None = None):
-        """h, or (h, (k, v)) with KV sharing; ``mask`` and ``kv`` as in ``Attention.forward``."""
+                kv: KV | None = None) -> tuple[torch.Tensor, KV | None]:
+        """(h, kv); ``mask`` and ``kv`` (in and out) as in ``Attention.forward``."""
         h, normed, kv = self.attend(x, rope, mask, kv)
-        h = h + self._scaled(1, self.feed_forward(normed))
-        return (h, kv) if self.shares_kv else h
+        return h + self._scaled(1, self.feed_forward(normed)), kv
 
 
 class Decoder(nn.Module):
@@ -215,8 +212,9 @@ class Decoder(nn.Module):
 
     def forward(self, tokens: torch.Tensor, *, visibility: tuple[torch.Tensor, torch.Tensor] | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens (batch, seq) -> logits (batch, seq, vocab); a middle or last pipeline stage takes the
-        hidden states instead, and a stage without the head returns hidden states. ``visibility`` is a
+        """tokens (batch, seq) -> one tensor (batch, seq, ·): the logits, or the head's input where the loss
+        applies the head (``ComputeOptions.return_hidden``). A middle or last pipeline stage takes the hidden
+        states instead of tokens, and a stage without the head returns them. ``visibility`` is a
         (start, limit) pair (``ops/visibility.py``; None: causal), ``positions`` (batch, seq) the RoPE
         positions (None: 0, 1, ...)."""
         if positions is None:  # each attention takes the rows of its (all-gathered, under TP) sequence
@@ -227,12 +225,9 @@ class Decoder(nn.Module):
         if mask is None and self.causal_flex and tokens.is_cuda:  # built here, outside the compiled blocks
             mask = causal_block_mask(tokens.shape[1], tokens.device)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        kv = None
+        kv = None  # each KV-sharing group's (k, v), from its first layer to the rest
         for layer in self.layers.values():
-            if layer.shares_kv:
-                h, kv = layer(h, rope, mask, kv)
-            else:
-                h = layer(h, rope, mask)
+            h, kv = layer(h, rope, mask, kv)
         if self.norm is None:
             return h
         h = self.head_input(h)

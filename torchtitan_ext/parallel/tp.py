@@ -108,10 +108,10 @@ def _residual_stream_as_dtensor(block: nn.Module, mesh: DeviceMesh) -> None:
     DTensors too) and the scalars become replicated DTensors, whose gradients DTensor sums like the norms'."""
     block.residual_scale = nn.Parameter(DTensor.from_local(block.residual_scale.data, mesh, [Replicate()],
                                                            run_check=False))
-    rest = (None,) * (3 if block.shares_kv else 2)  # (x, rope, mask[, shared kv]) in, (h[, kv]) out
-    out = (Shard(1), None) if block.shares_kv else (Shard(1),)
+    into = (Shard(1), None, None, None)  # (x, rope, mask, shared kv) in, (h, kv) out
+    out = (Shard(1), None)
     parallelize_module(block, mesh, PrepareModuleInputOutput(
-        input_layouts=(Shard(1), *rest), desired_input_layouts=(Shard(1), *rest), use_local_input=False,
+        input_layouts=into, desired_input_layouts=into, use_local_input=False,
         output_layouts=out, desired_output_layouts=out, use_local_output=True))
 
 

@@ -67,6 +67,27 @@ def test_nope_every_nth_layer():
     assert [b.attention.use_rope for b in model.layers.values()] == [True, True, True, False] * 2
 
 
+def _reference_attention(attn, x: torch.Tensor, rope, kv=None):
+    """(out, (k, v)) by explicit per-head softmax, each KV head shared by its group of query heads; ``kv`` the
+    producer's (k, v) for a KV-sharing consumer."""
+    b, t, _ = x.shape
+    q = attn.wq(x).view(b, t, -1, attn.head_dim)
+    if kv is None:
+        k, v = attn.wk(x).view(b, t, -1, attn.head_dim), attn.wv(x).view(b, t, -1, attn.head_dim)
+        k = attn.k_norm(k) if attn.k_norm is not None else k
+        k = apply_rope(k, *rope)
+    else:
+        k, v = kv
+    q = apply_rope(attn.q_norm(q) if attn.q_norm is not None else q, *rope)
+    group = q.shape[2] // k.shape[2]
+    heads = []
+    for h in range(q.shape[2]):
+        scores = q[:, :, h] @ k[:, :, h // group].transpose(1, 2) / math.sqrt(attn.head_dim)
+        scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        heads.append(scores.softmax(-1) @ v[:, :, h // group])
+    return attn.wo(torch.cat(heads, -1)), (k, v)
+
+
 def test_attention_is_causal_and_matches_float64_reference():
     torch.manual_seed(0)
     args = dataclasses.replace(TINY, qk_norm=True, n_layers=1)
@@ -74,22 +95,33 @@ def test_attention_is_causal_and_matches_float64_reference():
     attn = model.layers["0"].attention
     x = torch.randn(2, 10, 32, dtype=torch.float64)
     rope = (model.rope_cos[:10].double(), model.rope_sin[:10].double())
-    out = attn(x, rope)
-    # Reference: explicit per-head softmax attention with the KV head shared by each pair of query heads.
-    q = attn.q_norm(attn.wq(x).view(2, 10, 4, 8))
-    k = attn.k_norm(attn.wk(x).view(2, 10, 2, 8))
-    q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-    v = attn.wv(x).view(2, 10, 2, 8)
-    heads = []
-    for h in range(4):
-        scores = q[:, :, h] @ k[:, :, h // 2].transpose(1, 2) / math.sqrt(8)
-        scores = scores.masked_fill(torch.ones(10, 10, dtype=torch.bool).triu(1), float("-inf"))
-        heads.append(scores.softmax(-1) @ v[:, :, h // 2])
-    torch.testing.assert_close(out, attn.wo(torch.cat(heads, -1)), atol=1e-10, rtol=0)
+    out, kv = attn(x, rope)
+    assert kv is None  # without KV sharing no (k, v) is handed on
+    torch.testing.assert_close(out, _reference_attention(attn, x, rope)[0], atol=1e-10, rtol=0)
     # Changing the future leaves the past untouched.
     x2 = x.clone()
     x2[:, 6:] += 1.0
-    torch.testing.assert_close(attn(x2, rope)[:, :6], out[:, :6], atol=1e-12, rtol=0)
+    torch.testing.assert_close(attn(x2, rope)[0][:, :6], out[:, :6], atol=1e-12, rtol=0)
+
+
+def test_kv_sharing_decoder_matches_float64_reference():
+    """Interleaved KV sharing in groups of 2: layers 1 and 3 attend over the normalised, rotated K and the V of
+    layers 0 and 2; each block returns (h, the group's (k, v)), a consumer the very (k, v) it was given."""
+    args = dataclasses.replace(TINY, qk_norm=True, n_layers=4, kv_share="interleaved", kv_share_group=2)
+    model = _build(args).double()
+    tokens = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(1))
+    rope = (model.rope_cos[:12].double(), model.rope_sin[:12].double())
+    h, kv = model.tok_embeddings(tokens), None
+    for i, block in enumerate(model.layers.values()):
+        given = kv if i % 2 else None
+        got_h, got_kv = block(h, rope, None, given)
+        attn, kv = _reference_attention(block.attention, block.attention_norm(h), rope, given)
+        h = h + attn
+        h = h + block.feed_forward(block.ffn_norm(h))
+        torch.testing.assert_close(got_h, h, atol=1e-10, rtol=0)
+        torch.testing.assert_close(got_kv, kv, atol=1e-10, rtol=0)
+        assert given is None or (got_kv[0] is given[0] and got_kv[1] is given[1])
+    torch.testing.assert_close(model(tokens), model.head(model.head_input(h)), atol=1e-10, rtol=0)
 
 
 def test_tied_softcapped_head():
