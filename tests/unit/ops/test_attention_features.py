@@ -120,7 +120,7 @@ def test_attention_zreg_gradient_one_layer(masked):
     cos, sin = rope_tables(ARGS)
     rope = (cos[:t][None].double(), sin[:t][None].double())
     attn.z_reg, attn.virtual_grad_scale = coef, 1.0
-    out = attn(x, rope, mask if masked else None)
+    out, _ = attn(x, rope, mask if masked else None)
     (out * w).sum().backward()
     got = {n: p.grad.clone() for n, p in attn.named_parameters()}
     attn.zero_grad()
