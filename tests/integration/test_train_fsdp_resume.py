@@ -18,10 +18,10 @@ FSDP_RTOL = 1e-5
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
-    """The 1-process reference: 20 steps, checkpoints every 10, all kept."""
+    """The 1-process reference: 10 steps, checkpoints every 5, all kept."""
     dump = tmp_path_factory.mktemp("single")
-    run_trainer(dump, 0, "--training.steps", "20", "--checkpoint.enabled", "true",
-                "--checkpoint.interval", "10", "--checkpoint.keep_latest_k", "0")
+    run_trainer(dump, 0, "--training.steps", "10", "--checkpoint.enabled", "true",
+                "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "0")
     return dump
 
 
@@ -29,14 +29,14 @@ def single(tmp_path_factory):
 def fsdp2(tmp_path_factory):
     """The same job with FSDP over 2 gloo processes (local batch halved: same global batch)."""
     dump = tmp_path_factory.mktemp("fsdp2")
-    run_trainer(dump, 2, "--training.steps", "20", "--training.local_batch_size", "2",
-                "--checkpoint.enabled", "true", "--checkpoint.interval", "10", "--checkpoint.keep_latest_k", "0")
+    run_trainer(dump, 2, "--training.steps", "10", "--training.local_batch_size", "2",
+                "--checkpoint.enabled", "true", "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "0")
     return dump
 
 
 def test_fsdp2_matches_single_process(single, fsdp2):
     ref, got = losses(single), losses(fsdp2)
-    assert sorted(ref) == sorted(got) == list(range(1, 21))
+    assert sorted(ref) == sorted(got) == list(range(1, 11))
     for step in range(1, 6):
         assert got[step] == pytest.approx(ref[step], rel=FSDP_RTOL), step
     ref_gn = {r["step"]: r["grad_norm"] for r in read_metrics(single)}
@@ -50,42 +50,52 @@ def test_outputs_written(single):
     for key in ("step", "loss", "lr", "grad_norm", "tokens_per_sec"):
         assert key in records[0]
     assert (single / "config.toml").read_text().count("[training]") == 1
-    assert sorted(p.name for p in (single / "checkpoint").iterdir()) == ["step-10", "step-20"]
+    assert sorted(p.name for p in (single / "checkpoint").iterdir()) == ["step-10", "step-5"]
 
 
 def _resume_from(reference, step: int, dest, nproc: int, *extra: str):
-    """Copy ``reference``'s checkpoint at ``step`` into a fresh dump folder and continue to step 20."""
+    """Copy ``reference``'s checkpoint at ``step`` into a fresh dump folder and continue to step 10."""
     (dest / "checkpoint").mkdir(parents=True, exist_ok=True)
     shutil.copytree(reference / "checkpoint" / f"step-{step}", dest / "checkpoint" / f"step-{step}")
-    run_trainer(dest, nproc, "--training.steps", "20", "--checkpoint.enabled", "true",
-                "--checkpoint.interval", "10", *extra)
+    run_trainer(dest, nproc, "--training.steps", "10", "--checkpoint.enabled", "true",
+                "--checkpoint.interval", "5", *extra)
     return losses(dest)
 
 
-def test_exact_resume(single, tmp_path):
-    resumed = _resume_from(single, 10, tmp_path, 0)
+@pytest.fixture(scope="module")
+def resumed_single(single, tmp_path_factory):
+    """``single`` resumed from step 5 in a fresh dump folder that also holds a crashed save (step-10.tmp):
+    (folder, losses)."""
+    dest = tmp_path_factory.mktemp("resumed_single")
+    (dest / "checkpoint" / "step-10.tmp").mkdir(parents=True)
+    (dest / "checkpoint" / "step-10.tmp" / "__0_0.distcp").write_bytes(b"partial")
+    return dest, _resume_from(single, 5, dest, 0)
+
+
+def test_exact_resume(single, resumed_single):
+    _, resumed = resumed_single
     ref = losses(single)
-    assert sorted(resumed) == list(range(11, 21))
-    for step in range(11, 21):
+    assert sorted(resumed) == list(range(6, 11))
+    for step in range(6, 11):
         assert abs(resumed[step] - ref[step]) <= 1e-6, step
 
 
 @pytest.mark.parametrize("nproc, local_batch", [(1, "4"), pytest.param(4, "1", marks=pytest.mark.slow)])
 def test_reshard_2_to_n(fsdp2, tmp_path, nproc, local_batch):
-    resumed = _resume_from(fsdp2, 10, tmp_path, nproc, "--training.local_batch_size", local_batch)
+    resumed = _resume_from(fsdp2, 5, tmp_path, nproc, "--training.local_batch_size", local_batch)
     ref = losses(fsdp2)
-    assert sorted(resumed) == list(range(11, 21))
-    for step in range(11, 21):
+    assert sorted(resumed) == list(range(6, 11))
+    for step in range(6, 11):
         assert resumed[step] == pytest.approx(ref[step], rel=FSDP_RTOL), step
 
 
-def test_interrupted_save_is_ignored(single, tmp_path):
-    """A crash mid-save leaves step-N.tmp: the run resumes from the last complete checkpoint."""
-    (tmp_path / "checkpoint" / "step-20.tmp").mkdir(parents=True)
-    (tmp_path / "checkpoint" / "step-20.tmp" / "__0_0.distcp").write_bytes(b"partial")
-    resumed = _resume_from(single, 10, tmp_path, 0)
-    assert min(resumed) == 11
-    assert not (tmp_path / "checkpoint" / "step-20.tmp").exists()
+def test_interrupted_save_is_ignored(resumed_single):
+    """A crash mid-save leaves step-N.tmp: the run resumes from the last complete checkpoint (and, above,
+    exactly)."""
+    dest, resumed = resumed_single
+    assert min(resumed) == 6
+    assert not (dest / "checkpoint" / "step-10.tmp").exists()
+    assert (dest / "checkpoint" / "step-10").is_dir()
 
 
 def test_divergence_stops_without_saving(tmp_path):
