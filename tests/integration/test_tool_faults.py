@@ -6,13 +6,19 @@ default folder. The tools run in-process through ``cli.run_tool`` on a copy of t
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
+import signal
 
 from trainer_utils import file_checksums
 
 from torchtitan_ext.cli import EXIT_OK, EXIT_USER, run_tool
+from torchtitan_ext.hf import export as hf_export
 from torchtitan_ext.tools import eval as eval_tool
+from torchtitan_ext.tools import export as export_tool
 from torchtitan_ext.tools import generate as generate_tool
+from torchtitan_ext.train.preemption import EXIT_INTERRUPTED
 
 
 def _eval(capsys, config) -> tuple[int, dict | None, list[str]]:
@@ -65,3 +71,50 @@ def test_empty_config_without_a_checkpoint_is_one_line(tmp_path, monkeypatch, ca
         "error: outputs/default: no complete checkpoint found there (no such folder; expected a dump folder with "
         "checkpoint/step-N/); that is the default job.dump_folder (evaluate a run with --config DUMP/config.toml)"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.toml"]
+
+
+def _export(capsys, checkpoint, output, *extra: str) -> tuple[int, list[str]]:
+    code = run_tool(export_tool._main, ["--checkpoint", str(checkpoint), "--output", str(output), "--dtype", "float32",
+                                        "--max-shard-size", "2MB", *extra])
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+def test_export_on_a_full_disk_is_one_line_and_leaves_nothing(checkpointed_run, tmpfs, capsys):
+    """A real 4 MiB filesystem: the 13 MB float32 export fills it at its third 2 MB shard. safetensors said that
+    as a SafetensorError traceback; now one line naming the shard and ENOSPC, exit 2, no folder left, the
+    checkpoint unchanged."""
+    kept = file_checksums(checkpointed_run)
+    fs = tmpfs("4m")
+    code, err = _export(capsys, checkpointed_run, fs / "hf")
+    assert code == EXIT_USER and len(err) == 1, err
+    assert re.fullmatch(rf"error: export failed: {fs}/\.hf\.tmp-\d+/model-00003-of-00008\.safetensors: No space "
+                        rf"left on device \(ENOSPC\); nothing written at {fs}/hf \(the partial folder was removed\); "
+                        r"the checkpoint is untouched", err[0]), err
+    assert list(fs.iterdir()) == []
+    assert file_checksums(checkpointed_run) == kept
+
+
+def test_export_ctrl_c_stops_with_130_and_leaves_nothing(checkpointed_run, tmp_path, capsys, monkeypatch,
+                                                         restore_signal_handlers):
+    """A real SIGINT to the process while the second shard is written: one line, exit 130, no output folder or
+    temporary one beside it, the checkpoint unchanged; a rerun then completes."""
+    kept = file_checksums(checkpointed_run)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    write_shard, calls = hf_export.write_shard, []
+
+    def interrupted(path, tensors):
+        calls.append(path)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        write_shard(path, tensors)
+
+    monkeypatch.setattr(hf_export, "write_shard", interrupted)
+    code, err = _export(capsys, checkpointed_run, tmp_path / "hf")
+    assert code == EXIT_INTERRUPTED and err == [
+        f"error: interrupted (SIGINT): export stopped; nothing written at {tmp_path / 'hf'} (the partial folder was "
+        "removed); the checkpoint is untouched"], err
+    assert list(tmp_path.iterdir()) == [] and len(calls) == 2
+    monkeypatch.setattr(hf_export, "write_shard", write_shard)
+    code, _ = _export(capsys, checkpointed_run, tmp_path / "hf")
+    assert code == EXIT_OK and len(list((tmp_path / "hf").glob("*.safetensors"))) == 8
+    assert file_checksums(checkpointed_run) == kept

@@ -62,9 +62,18 @@ def shard_files(n: int) -> list[str]:
 
 
 def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Write one safetensors file; an I/O failure (a full disk) is an ``OSError`` naming ``path`` with its errno
+    (safetensors raises its own ``SafetensorError`` with the errno only in its text)."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    save_file(tensors, str(path), metadata={"format": "pt"})
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except SafetensorError as e:
+        if (code := re.search(r"os error (\d+)", str(e))) is None:
+            raise
+        number = int(code.group(1))
+        raise OSError(number, os.strerror(number), str(path)) from None
     # safetensors writes through a private temporary file (mode 0600): give the shard the mode open() would,
     # so that an export is readable by whoever the umask lets read the rest of the folder
     mask = os.umask(0o022)

@@ -10,9 +10,13 @@ are described in ``torchtitan_ext/hf/architectures.py``. The checkpoint is read 
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from torchtitan_ext import cli
+from torchtitan_ext.errors import UserError
+from torchtitan_ext.train.preemption import EXIT_INTERRUPTED
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -32,10 +36,21 @@ def parser() -> cli.ArgumentParser:
 def _main(argv: list[str]) -> int:
     from torchtitan_ext.export import export_run
     from torchtitan_ext.hf.safetensors_io import parse_size
+    from torchtitan_ext.metrics.logger import os_error_text
 
     args = parser().parse_args(argv)
-    ckpt, result = export_run(args.checkpoint, args.output, dtype=DTYPES[args.dtype],
-                              max_shard_size=parse_size(args.max_shard_size), weights=args.weights)
+    # The folder is written under a temporary name beside --output and renamed at the end (hf/export.py): a
+    # failure or an interrupt removes it, so --output is either complete or absent; the checkpoint is only read.
+    kept = f"nothing written at {args.output} (the partial folder was removed); the checkpoint is untouched"
+    try:
+        ckpt, result = export_run(args.checkpoint, args.output, dtype=DTYPES[args.dtype],
+                                  max_shard_size=parse_size(args.max_shard_size), weights=args.weights)
+    except OSError as e:  # a full disk, a read-only or forbidden folder: the file, the system's reason
+        where = f"{e.filename}: " if e.filename else ""
+        raise UserError(f"export failed: {where}{os_error_text(e)}; {kept}") from None
+    except KeyboardInterrupt:
+        print(f"error: interrupted (SIGINT): export stopped; {kept}", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     print(f"exported {ckpt}{' (EMA weights)' if args.weights == 'ema' else ''} as {result.describe()}")
     return 0
 
