@@ -222,12 +222,14 @@ class MetricsSection:
 
 @dataclass
 class DataSection:
-    dataset: str = opt("builtin", "builtin: the Python standard library's sources; shards: *.bin files; chat: "
+    dataset: str = opt("builtin", "the source, named by this key alone: builtin: the Python standard library's "
+                       "sources; shards: *.bin files; trees: tree shards (python -m torchtitan_ext.data.prepare "
+                       "--trees), with attention = 'tree'; domains: the [[data.domains]] tables; chat: "
                        "JSONL conversations ({\"messages\": [{\"role\", \"content\"}, ...]}) rendered with "
                        "the tokenizer's chat template, the loss on the assistant's tokens only",
-                       choices=("builtin", "shards", "chat"))
-    train_path: str = opt("", "shards: glob or folder of training shards; chat: JSONL file, glob or folder")
-    val_path: str = opt("", "shards: glob or folder of validation shards; chat: JSONL (optional)")
+                       choices=("builtin", "shards", "trees", "domains", "chat"))
+    train_path: str = opt("", "shards, trees: glob or folder of training shards; chat: JSONL file, glob or folder")
+    val_path: str = opt("", "shards, trees: glob or folder of validation shards; chat: JSONL (optional)")
     tokenizer: str = opt("builtin", "builtin (SentencePiece BPE trained on the corpus), byte, none (pretokenized "
                          "shards), a Hugging Face tokenizer.json or its folder, a .tiktoken file (':<encoding>' "
                          "names its split pattern, e.g. o200k.tiktoken:o200k_base), a SentencePiece .model, or "
@@ -235,8 +237,8 @@ class DataSection:
     tokenizer_vocab_size: int = opt(4096, "vocabulary of the builtin tokenizer", min=260)
     cache_dir: str = opt("~/.cache/torchtitan_ext", "tokenizer and built-in shards cache")
     shuffle: bool = opt(True, "shuffle sequence windows (seeded, per epoch)")
-    domains: list = opt([], "[[data.domains]] tables {name, train, val, weight}: train on weighted domains "
-                        "(replaces train_path / val_path)")
+    domains: list = opt([], "[[data.domains]] tables {name, train, val, weight}: with dataset = 'domains', "
+                        "train on weighted domains (replaces train_path / val_path)")
     mixing: str = opt("static", "domain weights: fixed, or the Zen update at every evaluation",
                       choices=("static", "adaptive"))
     mixing_rate: float = opt(0.01, "adaptive mixing step eta", min=0.0)
@@ -245,8 +247,8 @@ class DataSection:
     packing: str = opt("concat", "concat: windows cut from the token stream; bfd: whole documents packed "
                        "best-fit-decreasing into windows (padding ignored by the loss)", choices=("concat", "bfd"))
     attention: str = opt("causal", "causal: one causal stream per window; document: tokens attend only within "
-                         "their document (documents end at end-of-text tokens); tree: shards of conversation "
-                         "trees (torchtitan_ext.data.sources.trees), whole trees packed per window",
+                         "their document (documents end at end-of-text tokens); tree: each token sees its "
+                         "node's earlier tokens and its ancestors (dataset = 'trees', whole trees per window)",
                          choices=("causal", "document", "tree"))
     position_reset: bool = opt(False, "RoPE positions restart at 0 in each document (document), or follow each "
                                "token's root-to-node path (tree)")

@@ -61,9 +61,7 @@ def build_loaders(cfg: JobConfig, tokenizer, *, dp_rank: int, dp_world_size: int
     the job naming its shard (0: unchecked). ``sidecars(loader)``: distillation's sidecars, built by the
     plain shard stream (other loaders leave ``loader.sidecars`` None)."""
     d, t = cfg.data, cfg.training
-    name = "trees" if d.attention == "tree" else "domains" if d.domains else d.dataset  # the SOURCES key
-    if name not in SOURCES:
-        raise ConfigError(f"data.dataset = {d.dataset!r}: unknown source; valid: {', '.join(SOURCES)}")
+    name = source_name(d)
     if d.packing not in PACKERS:
         raise ConfigError(f"data.packing = {d.packing!r}: unknown packer; valid: {', '.join(PACKERS)}")
     if d.attention == "document" and getattr(tokenizer, "eot_id", None) is None:
@@ -75,6 +73,22 @@ def build_loaders(cfg: JobConfig, tokenizer, *, dp_rank: int, dp_world_size: int
                         documents=documents, sidecars=sidecars)
     loader, val_loader = SOURCES[name](d, ctx)
     return DataBundle(loader, val_loader, documents)
+
+
+def source_name(d: DataSection) -> str:
+    """The ``SOURCES`` key, which ``data.dataset`` alone names: ConfigError (one line) where another key asks
+    for another source, so that no key silently overrides the one the user wrote."""
+    if d.dataset not in SOURCES:
+        raise ConfigError(f"data.dataset = {d.dataset!r}: unknown source; valid: {', '.join(SOURCES)}")
+    if d.attention == "tree" and d.dataset != "trees":
+        raise ConfigError(f"data.attention = 'tree' needs data.dataset = 'trees' (got {d.dataset!r})")
+    if d.dataset == "trees" and d.attention != "tree":
+        raise ConfigError(f"data.dataset = 'trees' needs data.attention = 'tree' (got {d.attention!r})")
+    if d.domains and d.dataset != "domains":
+        raise ConfigError(f"data.domains is set: needs data.dataset = 'domains' (got {d.dataset!r})")
+    if d.dataset == "domains" and not d.domains:
+        raise ConfigError("data.dataset = 'domains' needs [[data.domains]] tables")
+    return d.dataset
 
 
 def _cache_dir(data: DataSection) -> Path:

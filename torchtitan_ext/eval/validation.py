@@ -26,8 +26,10 @@ def validation_streams(cfg: JobConfig) -> dict[str, np.ndarray]:
         log.warning(f"{what}: this evaluation scores plain causal windows of the validation tokens; the trainer's "
                     f"validation uses the job's masked batches, so its val_loss differs")
     # plain causal windows, one per batch, in order: the validation shards' token streams are what is read
+    # (tree shards as the plain shards they also are)
     plain = dataclasses.replace(cfg, training=dataclasses.replace(t, local_batch_size=1), data=dataclasses.replace(
-        d, shuffle=False, mixing="static", packing="concat", attention="causal", position_reset=False))
+        d, dataset="shards" if d.dataset == "trees" else d.dataset, shuffle=False, mixing="static",
+        packing="concat", attention="causal", position_reset=False))
     val = build_loaders(plain, build_tokenizer(plain.data), dp_rank=0, dp_world_size=1, vocab_limit=0).val_loader
     if val is None:
         raise ConfigError("no validation split: set data.val_path, or val in every [[data.domains]] table")

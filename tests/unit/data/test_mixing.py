@@ -66,7 +66,8 @@ def test_adaptive_update_formula_floors_caps_and_bad_tables():
 
 def test_bad_domain_table_is_one_line(tmp_path):
     cfg = tmp_path / "bad.toml"
-    cfg.write_text('[[data.domains]]\nname = "a"\ntrain = "/nonexistent/*.bin"\nweight = "heavy"\n')
+    cfg.write_text('[data]\ndataset = "domains"\n'
+                   '[[data.domains]]\nname = "a"\ntrain = "/nonexistent/*.bin"\nweight = "heavy"\n')
     proc = subprocess.run([sys.executable, "-m", "torchtitan_ext.train", "--config", str(cfg),
                            "--data.tokenizer", "byte", "--job.dump_folder", str(tmp_path / "run")],
                           cwd=REPO, capture_output=True, text=True, timeout=120)  # not the repo's outputs/

@@ -23,8 +23,8 @@ def stream_loaders(train_files: list[Path], val_files: list[Path], ctx: LoaderCo
 def shard_files(data) -> tuple[list[Path], list[Path]]:
     """(training, validation) shard files of ``data.train_path`` / ``data.val_path``."""
     if not data.train_path:
-        raise ConfigError("data.train_path is empty: expected a folder or glob of token shards "
-                          "(data.dataset = 'shards')")
+        raise ConfigError(f"data.train_path is empty: expected a folder or glob of token shards "
+                          f"(data.dataset = {data.dataset!r})")
     return (list_shards(data.train_path, "data.train_path"),
             list_shards(data.val_path, "data.val_path") if data.val_path else [])
 

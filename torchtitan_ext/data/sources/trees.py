@@ -208,10 +208,11 @@ class TreeDataLoader(PositionState):
 
 
 def build(data, ctx: LoaderContext) -> tuple[TreeDataLoader, TreeDataLoader | None]:
-    """``data.attention = "tree"``: shards of whole conversation trees with their node sidecars."""
-    if data.dataset != "shards" or data.packing != "concat" or data.domains:
-        raise ConfigError("data.attention = 'tree' reads tree shards: needs data.dataset = 'shards', "
-                          "data.packing = 'concat' and no data.domains")
+    """``data.dataset = "trees"`` (with ``data.attention = "tree"``): shards of whole conversation trees with
+    their node sidecars."""
+    if data.packing != "concat":
+        raise ConfigError(f"data.dataset = 'trees' packs whole trees itself: needs data.packing = 'concat' "
+                          f"(got {data.packing!r})")
     require_static_mixing(data)
     train_files, val_files = shard_files(data)
     common = dict(eot_id=ctx.eot_id, position_reset=data.position_reset, **ctx.window_args())
