@@ -87,7 +87,7 @@ def test_tree_data_trains_and_resumes_exactly(tmp_path):
 
     assert data_prepare(["--trees", "--input", str(tmp_path / "t.jsonl"), "--output-dir", str(tmp_path / "data"),
                          "--tokenizer", "byte"]) == 0
-    data = ["--data.dataset", "shards", "--data.train_path", str(tmp_path / "data"), "--data.attention", "tree",
+    data = ["--data.dataset", "trees", "--data.train_path", str(tmp_path / "data"), "--data.attention", "tree",
             "--data.position_reset", "true", "--checkpoint.enabled", "true", "--checkpoint.interval", "3",
             "--training.attention_z_reg", "0.01"]
     run_trainer(tmp_path / "full", 0, *data, "--training.steps", "6")

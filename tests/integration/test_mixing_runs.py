@@ -28,7 +28,8 @@ def _domains_toml(path: Path, tables: list[dict]) -> Path:
     return path
 
 
-MIX = ["--data.mixing", "adaptive", "--data.mixing_rate", "0.5", "--eval.interval", "2", "--eval.steps", "2",
+MIX = ["--data.dataset", "domains",
+       "--data.mixing", "adaptive", "--data.mixing_rate", "0.5", "--eval.interval", "2", "--eval.steps", "2",
        "--training.steps", "6", "--model.n_layers", "2", "--model.dim", "64", "--model.n_heads", "4"]
 
 
