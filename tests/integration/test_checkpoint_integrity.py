@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 import zlib
 from pathlib import Path
 
@@ -199,3 +200,48 @@ def test_rank_log_on_a_full_disk_never_raises(small_fs, capsys):
     assert out.count(f"warning: cannot write the rank log {path}: No space left on device (ENOSPC); logging to "
                      f"the console only") == 1
     assert out[-1] == "the console goes on"
+
+
+def _fill(fs: Path, leave_kib: int = 0) -> None:
+    """Fill the filesystem ``fs`` but ``leave_kib`` KiB (enough for the dump folder's write probe)."""
+    free = os.statvfs(fs).f_bavail * os.statvfs(fs).f_frsize - leave_kib * 1024
+    with open(fs / "filler", "wb") as f:
+        f.write(bytes(max(free, 0)))
+
+
+def test_tensorboard_on_a_full_disk_at_resume_is_one_line(small_fs, capsys):
+    """A resume whose TensorBoard writer cannot write its first events: the writer thread printed a traceback
+    and the job ended with 'error: No space left on device'; now one line naming the folder and ENOSPC, exit 2,
+    the checkpoint intact and no empty event file left."""
+    from torchtitan_ext.checkpoint.integrity import first_damage, read_manifest
+
+    dump = small_fs / "run"
+    small = ["--model.n_layers", "1", "--model.dim", "64", "--metrics.tensorboard", "true", *CKPT_EVERY_2]
+    assert _run(capsys, dump, *small, "--training.steps", "2")[0] == 0
+    before = file_checksums(dump)
+    _fill(small_fs, leave_kib=4)
+    code, _, errors = _run(capsys, dump, *small, "--training.steps", "4")
+    assert code == 2 and errors == [f"error: writing TensorBoard events to {dump / 'tb'} failed: No space left on "
+                                    "device (ENOSPC)"], errors
+    _assert_kept(before, dump)
+    assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-2"]
+    assert first_damage(dump / "checkpoint" / "step-2", read_manifest(dump / "checkpoint" / "step-2")) is None
+    assert len(list((dump / "tb").iterdir())) == 1
+
+
+def test_tensorboard_filling_the_disk_mid_run_is_one_line(small_fs, capsys):
+    """The disk fills while TensorBoard's writer thread writes: the thread prints nothing, the next logged step
+    raises MetricsWriteFailed naming the folder, the step and ENOSPC."""
+    from torchtitan_ext.metrics.logger import MetricsLogger, MetricsWriteFailed
+
+    metrics = MetricsLogger(str(small_fs / "run"), 0, tensorboard=True, jsonl=False)
+    metrics.log(1, {"loss": 1.0})
+    _fill(small_fs)
+    with pytest.raises(MetricsWriteFailed) as e:
+        for step in range(2, 500):  # each record is written by the thread as it comes
+            metrics.log(step, {"loss": 1.0})
+            time.sleep(0.002)
+    metrics.close()
+    assert str(e.value).startswith(f"writing TensorBoard events to {small_fs / 'run' / 'tb'} failed at step ")
+    assert str(e.value).endswith(": No space left on device (ENOSPC)")
+    assert capsys.readouterr().err == ""

@@ -13,6 +13,7 @@ import io
 import json
 import logging
 import sys
+import threading
 import time
 import traceback
 from collections import deque
@@ -73,9 +74,7 @@ class MetricsLogger:
         folder = Path(dump_folder)
         folder.mkdir(parents=True, exist_ok=True)
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(log_dir=str(folder / "tb"), purge_step=resume_step + 1)
+            self.tb = _tensorboard(folder / "tb", purge_step=resume_step + 1)
         if jsonl:
             drop_after(folder / "metrics.jsonl", resume_step)
             self.jsonl = open(folder / "metrics.jsonl", "a", buffering=1)
@@ -84,8 +83,13 @@ class MetricsLogger:
         if self.rank != 0:
             return
         if self.tb is not None:
-            for k, v in values.items():
-                self.tb.add_scalar(k, v, step)
+            try:
+                for k, v in values.items():
+                    self.tb.add_scalar(k, v, step)
+            except OSError as e:  # the writer thread's failure, raised again here
+                folder, self.tb = self.tb.log_dir, None
+                raise MetricsWriteFailed(f"writing TensorBoard events to {folder} failed at step {step}: "
+                                         f"{os_error_text(e)}") from None
         if self.jsonl is not None:
             try:
                 self.jsonl.write(json.dumps({"step": step, "time": time.time(), **values}) + "\n")
@@ -116,6 +120,35 @@ class MetricsLogger:
             if out is not None:
                 with contextlib.suppress(OSError):  # a full disk was said when the write failed
                     out.close()
+
+
+def _tensorboard(folder: Path, purge_step: int):
+    """A SummaryWriter in ``folder``; a failure to write its first events (a full disk at the start of a resume)
+    is one line. Its writer thread's own traceback is silenced (``_quiet_tensorboard_thread``): the writer raises
+    the same error again in the main thread, where :meth:`MetricsLogger.log` says it."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    if threading.excepthook is not _quiet_tensorboard_thread:
+        global _previous_excepthook
+        _previous_excepthook, threading.excepthook = threading.excepthook, _quiet_tensorboard_thread
+    before = set(folder.iterdir()) if folder.is_dir() else set()
+    try:
+        return SummaryWriter(log_dir=str(folder), purge_step=purge_step)
+    except OSError as e:
+        for created in set(folder.iterdir()) - before if folder.is_dir() else ():  # its empty or torn event file
+            created.unlink(missing_ok=True)
+        raise MetricsWriteFailed(f"writing TensorBoard events to {folder} failed: {os_error_text(e)}") from None
+
+
+_previous_excepthook = threading.excepthook
+
+
+def _quiet_tensorboard_thread(args: threading.ExceptHookArgs) -> None:
+    """``threading.excepthook``: an OSError that ends TensorBoard's writer thread prints nothing (the main
+    thread reports it in one line); anything else goes to the previous hook."""
+    if type(args.thread).__name__ == "_AsyncWriterThread" and isinstance(args.exc_value, OSError):
+        return
+    _previous_excepthook(args)
 
 
 def hms(seconds: float) -> str:
