@@ -84,6 +84,7 @@ from torchtitan_ext.checkpoint.run_folder import (
     utc_stamp,
 )
 from torchtitan_ext.config.job_config import CheckpointSection
+from torchtitan_ext.config.loader import model_table
 from torchtitan_ext.errors import ConfigError, UserError
 
 RESIDUALS_DIR = "squinch_residuals"
@@ -185,19 +186,27 @@ def config_changes(dump: Path, job: Any, prefixes: tuple[str, ...] = SHAPING_KEY
         before = tomllib.loads((dump / "config.toml").read_text())
     except (OSError, ValueError):
         return []
-    resolved = (read_identity(dump) or {}).get("model", {})  # the model the flavor gave, for keys left at 0 / ""
+    resolved = (read_identity(dump) or {}).get("model", {})  # the model the flavor gave, for unset keys
     lines = []
     for section in dataclasses.fields(job):
-        for key, value in dataclasses.asdict(getattr(job, section.name)).items():
-            value = "" if value is None else value  # as config.toml writes an unset tri-state key
-            name, old = f"{section.name}.{key}", before.get(section.name, {}).get(key, value)
+        values = dataclasses.asdict(getattr(job, section.name))
+        saved = before.get(section.name, {})
+        if section.name == "model":  # a key absent there was unset (None), as it may be in the job
+            table = model_table(saved)
+            saved = {key: table.get(key) for key in values}
+        for key, value in values.items():
+            name, old = f"{section.name}.{key}", saved.get(key, value)
             if old == value or not name.startswith(prefixes):
                 continue
-            if section.name == "model" and old in (0, -1, "") and resolved.get(key) is not None:
-                old = resolved[key]  # "0" is "the flavor's": say the value it was
-            lines.append(f"{name} changed since the last start ({json.dumps(old)} -> {json.dumps(value)}): "
-                         f"set {name} = {json.dumps(old)} to resume it")
+            old = resolved.get(key) if old is None else old  # unset: say the value the flavor gave
+            advice = f"leave {name} unset" if old is None else f"set {name} = {json.dumps(old)}"
+            lines.append(f"{name} changed since the last start ({_said(old)} -> {_said(value)}): {advice} to "
+                         f"resume it")
     return lines
+
+
+def _said(value: Any) -> str:
+    return "unset" if value is None else json.dumps(value)
 
 
 def load_on_one_process(state: dict, checkpoint: Path, advice: str = "name an earlier step-N folder") -> None:

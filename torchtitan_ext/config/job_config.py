@@ -31,70 +31,65 @@ class JobSection:
 
 @dataclass
 class ModelSection:
-    """Every field of ``models.args.ModelArgs`` is a key here. A key left at its default (the "unset" value its
-    help names: 0, -1, an empty string) keeps the flavor's value; any other value replaces it. The on/off
-    architecture switches are tri-state: unset (``""``, the default) or true / false."""
-    flavor: str = opt("debug", "named size from torchtitan_ext.models.flavors; the other [model] keys override it")
-    vocab_size: int = opt(0, "0: the flavor's, or the tokenizer's (padded to a multiple of 64) when the "
-                         "flavor has none", min=0)
-    dim: int = opt(0, "0: the flavor's; else override d_model", min=0)
-    n_layers: int = opt(0, "0: the flavor's; else override the layer count", min=0)
-    n_heads: int = opt(0, "0: the flavor's; else override the attention heads", min=0)
-    n_kv_heads: int = opt(0, "0: the flavor's; else override the K/V heads (GQA; equal to n_heads: none)", min=0)
-    head_dim: int = opt(0, "0: the flavor's (its own, or dim / n_heads); else override the width of each head",
-                        min=0)
-    ffn_hidden: int = opt(0, "0: the flavor's; else override the dense FFN hidden size", min=0)
-    activation: str = opt("", "empty: the flavor's; swiglu or relu2 (squared ReLU, needed by quant.qat)",
-                          choices=("", "swiglu", "relu2"))
-    max_seq_len: int = opt(0, "0: training.seq_len; else the RoPE table length (>= training.seq_len)", min=0)
-    rope_theta: float = opt(0.0, "0: the flavor's; else the RoPE base", min=0.0)
-    rope_scaling: str = opt("", "empty: the flavor's; llama3: Llama-3 RoPE frequency scaling (long contexts); none: "
-                            "plain RoPE", choices=("", "none", "llama3"))
-    rope_scaling_factor: float = opt(0.0, "0: the flavor's (8); llama3: the divisor of long-wavelength frequencies",
-                                     min=0.0)
-    rope_low_freq_factor: float = opt(0.0, "0: the flavor's (1); llama3: wavelengths longer than "
-                                      "rope_original_max_seq_len / this are divided by the factor", min=0.0)
-    rope_high_freq_factor: float = opt(0.0, "0: the flavor's (4); llama3: wavelengths shorter than "
-                                       "rope_original_max_seq_len / this are kept; between: interpolated", min=0.0)
-    rope_original_max_seq_len: int = opt(0, "0: the flavor's (8192); llama3: the context length the model was "
-                                         "pre-trained at", min=0)
-    rope_fraction: float = opt(-1.0, "-1: the flavor's; else the fraction of each head's dims rotated by RoPE "
-                               "(0: none, 1: all)", min=-1.0, max=1.0)
-    nope_every: int = opt(-1, "-1: the flavor's; N > 0: every Nth layer has no positional encoding (RNoPE); "
-                          "0: every layer uses RoPE", min=-1)
-    qk_norm: bool | None = opt(None, "\"\": the flavor's; true / false: RMSNorm on each head's queries and keys")
-    norm_eps: float = opt(0.0, "0: the flavor's; else the RMSNorm epsilon", min=0.0)
-    tie_embeddings: bool | None = opt(None, "\"\": the flavor's; true / false: the output head shares the "
-                                      "embedding matrix")
-    logit_softcap: float = opt(-1.0, "-1: the flavor's; > 0: logits = cap x tanh(logits / cap); 0: no cap",
-                               min=-1.0)
-    residual_scalars: bool | None = opt(None, "\"\": the flavor's; true / false: a learnable scalar (init 1) on "
-                                        "each block's attention and FFN branch")
-    n_experts: int = opt(-1, "-1: the flavor's; 0 makes the model dense", min=-1)
-    top_k: int = opt(0, "0: the flavor's; experts per token", min=0)
-    moe_hidden: int = opt(0, "0: the flavor's (its own, or ffn_hidden); expert FFN hidden size", min=0)
-    moe_every: int = opt(0, "0: the flavor's; MoDE on every Nth layer, dense FFNs elsewhere", min=0)
-    shared_expert: bool | None = opt(None, "\"\": the flavor's; true / false: a dense expert every token goes "
-                                     "through, beside the routed ones")
-    renormalize_gates: bool | None = opt(None, "\"\": the flavor's; true / false: the top_k gate weights are "
-                                         "renormalised to sum to 1")
-    aux_loss_coef: float = opt(-1.0, "-1: the flavor's; Switch load-balancing loss coefficient", min=-1.0)
-    router_z_loss_coef: float = opt(-1.0, "-1: the flavor's; router z-loss coefficient", min=-1.0)
-    bias_update_rate: float = opt(-1.0, "-1: the flavor's; > 0 enables auxiliary-loss-free balancing "
-                                  "(per-expert routing bias step)", min=-1.0)
-    kv_share: str = opt("", "empty: the flavor's; interleaved: in each group of kv_share_group consecutive layers "
-                        "only the first computes K and V, the others reuse them; none: every layer computes its own",
-                        choices=("", "none", "interleaved"))
-    kv_share_group: int = opt(-1, "-1: the flavor's; else layers per KV-sharing group (>= 1)", min=-1)
-    parametrization: str = opt("", "empty: the flavor's; standard, or mup (Maximal Update Parametrization: "
-                               "init, lrs, attention sqrt(base head_dim) / head_dim and logits x mup_base_dim / "
-                               "dim scaled with width, so hyperparameters tuned at mup_base_dim carry over to "
-                               "other widths)",
-                               choices=("", "standard", "mup"))
-    mup_base_dim: int = opt(0, "0: the flavor's (its own, or dim: no width scaling); else the width (dim) the "
-                            "hyperparameters were tuned at; used by parametrization = mup only", min=0)
-    mup_base_head_dim: int = opt(0, "0: the flavor's (its own, or head_dim: widths add heads); else the head_dim "
-                                 "at mup_base_dim, when widths grow the heads instead; muP only", min=0)
+    """Every field of ``models.args.ModelArgs`` is a key here. ``flavor`` names a starting point; a key that is
+    set (in the TOML file or on the command line) replaces the flavor's value, and a key left out (None here)
+    keeps it, so every value a model can have can be set, the flavor's own included."""
+    flavor: str = opt("debug", "named size from torchtitan_ext.models.flavors; each other [model] key that is set "
+                      "overrides its value, one left unset keeps it")
+    vocab_size: int | None = opt(None, "vocabulary; 0 (or unset with a flavor that has none): the tokenizer's, "
+                                 "padded to a multiple of 64", min=0)
+    dim: int | None = opt(None, "d_model", min=1)
+    n_layers: int | None = opt(None, "layer count", min=1)
+    n_heads: int | None = opt(None, "attention heads", min=1)
+    n_kv_heads: int | None = opt(None, "K/V heads (GQA); 0: n_heads", min=0)
+    head_dim: int | None = opt(None, "width of each head; 0: dim / n_heads", min=0)
+    ffn_hidden: int | None = opt(None, "dense FFN hidden size", min=1)
+    activation: str | None = opt(None, "swiglu, or relu2 (squared ReLU, needed by quant.qat)",
+                                 choices=("swiglu", "relu2"))
+    max_seq_len: int | None = opt(None, "the RoPE table length (>= training.seq_len); unset: training.seq_len",
+                                  min=1)
+    rope_theta: float | None = opt(None, "the RoPE base", min=0.0)
+    rope_scaling: str | None = opt(None, "llama3: Llama-3 RoPE frequency scaling (long contexts); none: plain RoPE",
+                                   choices=("none", "llama3"))
+    rope_scaling_factor: float | None = opt(None, "llama3: the divisor of long-wavelength frequencies (8)",
+                                            min=0.0)
+    rope_low_freq_factor: float | None = opt(None, "llama3: wavelengths longer than rope_original_max_seq_len / "
+                                             "this are divided by the factor (1)", min=0.0)
+    rope_high_freq_factor: float | None = opt(None, "llama3: wavelengths shorter than rope_original_max_seq_len / "
+                                              "this are kept; between: interpolated (4)", min=0.0)
+    rope_original_max_seq_len: int | None = opt(None, "llama3: the context length the model was pre-trained at "
+                                                "(8192)", min=1)
+    rope_fraction: float | None = opt(None, "the fraction of each head's dims rotated by RoPE (0: none, 1: all)",
+                                      min=0.0, max=1.0)
+    nope_every: int | None = opt(None, "N > 0: every Nth layer has no positional encoding (RNoPE); 0: every layer "
+                                 "uses RoPE", min=0)
+    qk_norm: bool | None = opt(None, "RMSNorm on each head's queries and keys")
+    norm_eps: float | None = opt(None, "the RMSNorm epsilon", min=0.0)
+    tie_embeddings: bool | None = opt(None, "the output head shares the embedding matrix")
+    logit_softcap: float | None = opt(None, "> 0: logits = cap x tanh(logits / cap); 0: no cap", min=0.0)
+    residual_scalars: bool | None = opt(None, "a learnable scalar (init 1) on each block's attention and FFN branch")
+    n_experts: int | None = opt(None, "MoDE routed experts; 0 makes the model dense", min=0)
+    top_k: int | None = opt(None, "experts per token", min=1)
+    moe_hidden: int | None = opt(None, "expert FFN hidden size; 0: ffn_hidden", min=0)
+    moe_every: int | None = opt(None, "MoDE on every Nth layer, dense FFNs elsewhere", min=1)
+    shared_expert: bool | None = opt(None, "a dense expert every token goes through, beside the routed ones")
+    renormalize_gates: bool | None = opt(None, "the top_k gate weights are renormalised to sum to 1")
+    aux_loss_coef: float | None = opt(None, "Switch load-balancing loss coefficient", min=0.0)
+    router_z_loss_coef: float | None = opt(None, "router z-loss coefficient", min=0.0)
+    bias_update_rate: float | None = opt(None, "> 0 enables auxiliary-loss-free balancing (per-expert routing "
+                                         "bias step)", min=0.0)
+    kv_share: str | None = opt(None, "interleaved: in each group of kv_share_group consecutive layers only the "
+                               "first computes K and V, the others reuse them; none: every layer computes its own",
+                               choices=("none", "interleaved"))
+    kv_share_group: int | None = opt(None, "layers per KV-sharing group", min=1)
+    parametrization: str | None = opt(None, "standard, or mup (Maximal Update Parametrization: init, lrs, "
+                                      "attention sqrt(base head_dim) / head_dim and logits x mup_base_dim / dim "
+                                      "scaled with width, so hyperparameters tuned at mup_base_dim carry over to "
+                                      "other widths)", choices=("standard", "mup"))
+    mup_base_dim: int | None = opt(None, "the width (dim) the hyperparameters were tuned at; 0: dim (no width "
+                                   "scaling); used by parametrization = mup only", min=0)
+    mup_base_head_dim: int | None = opt(None, "the head_dim at mup_base_dim, when widths grow the heads instead; "
+                                        "0: head_dim (widths add heads); muP only", min=0)
 
 
 @dataclass

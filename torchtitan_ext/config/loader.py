@@ -30,12 +30,11 @@ def _fields(obj: Any) -> dict[str, dataclasses.Field]:
 
 
 def _coerce(value: Any, f: dataclasses.Field, where: str, from_cli: bool) -> Any:
-    """Convert ``value`` to the field's type (strings come from the command line) and check its rules."""
-    kind = f.type if isinstance(f.type, str) else f.type.__name__
+    """Convert ``value`` to the field's type (strings come from the command line) and check its rules. A field
+    typed ``X | None`` (the [model] keys: None is "not set") takes an X; a key is unset by leaving it out."""
+    kind = (f.type if isinstance(f.type, str) else f.type.__name__).removesuffix(" | None")
     try:
-        if kind == "bool | None" and (value == "" or value is None):  # tri-state: "" (e.g. "the flavor's")
-            return None
-        if kind in ("bool", "bool | None"):  # a TOML boolean, or true / false / 1 / 0 from the command line
+        if kind == "bool":  # a TOML boolean, or true / false / 1 / 0 from the command line
             if from_cli and isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
                 value = value.lower() in ("true", "1")
             elif not isinstance(value, bool):
@@ -56,8 +55,7 @@ def _coerce(value: Any, f: dataclasses.Field, where: str, from_cli: bool) -> Any
             if not isinstance(value, list):
                 raise TypeError
     except (TypeError, ValueError, json.JSONDecodeError):
-        expected = 'true, false or "" (unset)' if kind == "bool | None" else kind
-        raise ConfigError(f"{where}: expected {expected}, got {value!r}") from None
+        raise ConfigError(f"{where}: expected {kind}, got {value!r}") from None
     if kind == "float" and not math.isfinite(value):  # NaN passes every min / max check; no key means infinity
         raise ConfigError(f"{where}: expected a finite float, got {value!r}")
     meta = f.metadata
@@ -100,8 +98,34 @@ def load_toml(cfg: JobConfig, path: str) -> None:
     for section, table in data.items():
         if not isinstance(table, dict):
             raise ConfigError(f"{path}: top-level key '{section}' must be a [section] table")
+        if section == "model":
+            table = model_table(table)
         for key, value in table.items():
             _set(cfg, section, key, value, f"{path}", from_cli=False)
+
+
+# The [model] values that meant "the flavor's" before a key was unset by leaving it out (issue 39). A config.toml
+# written then holds every key, some at "" or -1, which no model has: such a table is read the old way.
+_OLD_UNSET = {"vocab_size": 0, "dim": 0, "n_layers": 0, "n_heads": 0, "n_kv_heads": 0, "head_dim": 0,
+              "ffn_hidden": 0, "activation": "", "max_seq_len": 0, "rope_theta": 0, "rope_scaling": "",
+              "rope_scaling_factor": 0, "rope_low_freq_factor": 0, "rope_high_freq_factor": 0,
+              "rope_original_max_seq_len": 0, "rope_fraction": -1, "nope_every": -1, "qk_norm": "", "norm_eps": 0,
+              "tie_embeddings": "", "logit_softcap": -1, "residual_scalars": "", "n_experts": -1, "top_k": 0,
+              "moe_hidden": 0, "moe_every": 0, "shared_expert": "", "renormalize_gates": "", "aux_loss_coef": -1,
+              "router_z_loss_coef": -1, "bias_update_rate": -1, "kv_share": "", "kv_share_group": -1,
+              "parametrization": "", "mup_base_dim": 0, "mup_base_head_dim": 0}
+
+
+def _old_unset(key: str, value: Any) -> bool:
+    return key in _OLD_UNSET and type(value) is not bool and value == _OLD_UNSET[key]
+
+
+def model_table(table: dict) -> dict:
+    """A TOML [model] table's set keys: itself, or for a table written before issue 39 (one holding an old
+    unset value no model can have, "" or -1) the keys whose value is not their old unset value."""
+    if not any(_old_unset(k, v) and v in ("", -1) for k, v in table.items()):
+        return table
+    return {k: v for k, v in table.items() if not _old_unset(k, v)}
 
 
 def repeated_config(first: str, second: str) -> ConfigError:
@@ -149,14 +173,13 @@ def help_text() -> str:
             rules = ["one of " + "|".join(map(str, meta["choices"]))] if meta.get("choices") else []
             rules += [f"{op} {meta[k]}" for k, op in (("min", ">="), ("max", "<=")) if meta.get(k) is not None]
             rule = f" ({', '.join(rules)})" if rules else ""
-            lines.append(f"  --{sec_field.name}.{f.name} = {_toml_value(default)}  {meta['help']}{rule}")
+            value = "(unset)" if default is None else _toml_value(default)
+            lines.append(f"  --{sec_field.name}.{f.name} = {value}  {meta['help']}{rule}")
         lines.append("")
     return "\n".join(lines)
 
 
 def _toml_value(v: Any) -> str:
-    if v is None:  # an unset tri-state key (TOML has no null): "" loads back as None
-        return '""'
     if isinstance(v, bool | str):  # true / false, or a quoted string
         return json.dumps(v)
     if isinstance(v, list):
@@ -167,12 +190,14 @@ def _toml_value(v: Any) -> str:
 
 
 def to_toml(cfg: JobConfig) -> str:
-    """The resolved config as TOML (every key, overrides applied), loadable by ``load_toml``."""
+    """The resolved config as TOML (every key that is set, overrides applied; an unset [model] key, None, is
+    left out, as TOML has no null), loadable by ``load_toml``."""
     out = []
     for sec_field in dataclasses.fields(cfg):
         out.append(f"[{sec_field.name}]")
         sec = getattr(cfg, sec_field.name)
         for f in dataclasses.fields(sec):
-            out.append(f"{f.name} = {_toml_value(getattr(sec, f.name))}")
+            if getattr(sec, f.name) is not None:
+                out.append(f"{f.name} = {_toml_value(getattr(sec, f.name))}")
         out.append("")
     return "\n".join(out)

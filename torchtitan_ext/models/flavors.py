@@ -47,10 +47,9 @@ def get_flavor(name: str) -> ModelArgs:
 
 
 def model_overrides(section) -> dict:
-    """The ``[model]`` keys that are set: every ModelSection field except ``flavor`` whose value differs from
-    its default (the "unset" value: 0, -1, "" or None keeps the flavor's)."""
+    """The ``[model]`` keys that are set: every ModelSection field except ``flavor`` that is not None."""
     return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)
-            if f.name != "flavor" and getattr(section, f.name) != f.default}
+            if f.name != "flavor" and getattr(section, f.name) is not None}
 
 
 def resolve_model_args(cfg: JobConfig, tokenizer_vocab: int) -> ModelArgs:
@@ -58,7 +57,7 @@ def resolve_model_args(cfg: JobConfig, tokenizer_vocab: int) -> ModelArgs:
     training.seq_len and a missing vocabulary to the tokenizer's. Errors name the key."""
     args = get_flavor(cfg.model.flavor)
     overrides = model_overrides(cfg.model)
-    if not overrides.get("vocab_size") and not args.vocab_size:
+    if not overrides.get("vocab_size", args.vocab_size):
         if not tokenizer_vocab:
             raise ConfigError("data.tokenizer = 'none' needs model.vocab_size (for example 50304 for "
                               "GPT-2-tokenized FineWeb shards)")
@@ -67,7 +66,7 @@ def resolve_model_args(cfg: JobConfig, tokenizer_vocab: int) -> ModelArgs:
     args = dataclasses.replace(args, **overrides)
     if args.vocab_size < tokenizer_vocab:
         raise ConfigError(f"model.vocab_size = {args.vocab_size} is smaller than the tokenizer's vocabulary "
-                          f"({tokenizer_vocab}); set model.vocab_size >= {tokenizer_vocab} or 0")
+                          f"({tokenizer_vocab}); set model.vocab_size >= {tokenizer_vocab} or 0 (the tokenizer's)")
     if args.max_seq_len < cfg.training.seq_len:
         raise ConfigError(f"training.seq_len = {cfg.training.seq_len} exceeds model.max_seq_len = "
                           f"{args.max_seq_len}")

@@ -1,6 +1,7 @@
-"""The model in TOML: every ModelArgs field is a [model] key (unset keeps the flavor's), new architectures need
-no code, every key round-trips through config.toml, bad values are one line naming the key; the parallel
-degrees' -1 ("the ranks left"); the shipped 600m job and the multi-node layouts."""
+"""The model in TOML: every ModelArgs field is a [model] key (a key left out keeps the flavor's, any value a model
+can have overrides it), new architectures need no code, every key round-trips through config.toml (an unset one
+is left out), a config.toml written before keys were unset by omission reads as it did, bad values are one line
+naming the key; the parallel degrees' -1 ("the ranks left"); the shipped 600m job and the multi-node layouts."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from torchtitan_ext.parallel.dims import ParallelDims, ParallelDimsError
 
 MODEL_KEYS = [f.name for f in dataclasses.fields(ModelSection) if f.name != "flavor"]
 
-# A value for every [model] key that differs from both its "unset" default and the debug flavor's value.
+# A value for every [model] key that differs from the debug flavor's value.
 SET_VALUES = {
     "vocab_size": 1024, "dim": 96, "n_layers": 6, "n_heads": 6, "n_kv_heads": 3, "head_dim": 24,
     "ffn_hidden": 320, "activation": "relu2", "max_seq_len": 512, "rope_theta": 500000.0,
@@ -129,30 +130,133 @@ def test_every_model_key_round_trips_through_config_toml(tmp_path):
     assert dataclasses.asdict(again) == dataclasses.asdict(cfg)
     assert resolve_model_args(again, 0) == resolve_model_args(cfg, 0) == dataclasses.replace(
         FLAVORS["debug"], **SET_VALUES)
-    # Unset keys round-trip too (tri-state switches are written as ""), and the command line sets each one.
+    # Unset keys round-trip too (left out of config.toml: TOML has no null), and the command line sets each one.
     plain = parse_args([])
+    assert "[model]\nflavor = \"debug\"\n\n" in to_toml(plain)
     assert dataclasses.asdict(_load(tmp_path, to_toml(plain))) == dataclasses.asdict(plain)
     cli = parse_args([a for k, v in SET_VALUES.items() for a in (f"--model.{k}", _toml(v).strip('"').lower())])
     assert dataclasses.asdict(cli.model) == dataclasses.asdict(cfg.model)
 
 
-def test_tri_state_switches(tmp_path):
-    """true / false override the flavor's either way; "" (the default) keeps it."""
+def test_switches_override_either_way_and_unset_keeps_the_flavor(tmp_path):
+    """true / false override the flavor's either way; a switch left out keeps it; "" is no longer a value."""
     assert FLAVORS["debug"].qk_norm and FLAVORS["debug"].renormalize_gates
-    cfg = _load(tmp_path, '[model]\nqk_norm = false\nrenormalize_gates = ""\ntie_embeddings = true\n')
+    cfg = _load(tmp_path, '[model]\nqk_norm = false\ntie_embeddings = true\n')
     assert (cfg.model.qk_norm, cfg.model.renormalize_gates, cfg.model.tie_embeddings) == (False, None, True)
     args = resolve_model_args(cfg, 300)
     assert (args.qk_norm, args.renormalize_gates, args.tie_embeddings) == (False, True, True)
-    cli = parse_args(["--model.qk_norm", "0", "--model.shared_expert", "TRUE", "--model.tie_embeddings", ""])
+    cli = parse_args(["--model.qk_norm", "0", "--model.shared_expert", "TRUE"])
     assert (cli.model.qk_norm, cli.model.shared_expert, cli.model.tie_embeddings) == (False, True, None)
-    assert 'qk_norm = false' in to_toml(cli) and 'tie_embeddings = ""' in to_toml(cli)
+    assert "qk_norm = false" in to_toml(cli) and "tie_embeddings" not in to_toml(cli)
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--model.tie_embeddings", ""])
+    assert str(e.value) == "argument --model.tie_embeddings: model.tie_embeddings: expected bool, got ''"
+
+
+@pytest.mark.parametrize("flavor, key, value", [
+    ("debug", "rope_fraction", 0.0), ("debug", "nope_every", 0), ("debug", "n_kv_heads", 0), ("600m", "head_dim", 0),
+    ("600m", "vocab_size", 0), ("mode_debug", "moe_hidden", 0), ("mode_debug", "n_experts", 0),
+])
+def test_old_unset_value_now_overrides_the_flavor(flavor, key, value):
+    """Values that once meant "the flavor's" (0) or sit next to it, on flavors with another value: each one
+    overrides, from the command line as from TOML."""
+    base = resolve_model_args(parse_args(["--model.flavor", flavor]), 4000)
+    cfg = parse_args(["--model.flavor", flavor, f"--model.{key}", str(value)])
+    assert getattr(cfg.model, key) == value and model_overrides(cfg.model) == {key: value}
+    args = resolve_model_args(cfg, 4000)
+    expected = {"vocab_size": 4032}.get(key, value)  # 0: the tokenizer's 4000, padded to a multiple of 64
+    assert getattr(args, key) == expected != getattr(FLAVORS[flavor], key)
+    assert args == dataclasses.replace(base, **{key: expected})
+
+
+def test_zero_softcap_overrides_the_file(tmp_path):
+    """No flavor caps its logits: a job file does, and --model.logit_softcap 0 takes the cap off again."""
+    capped = _load(tmp_path, "[model]\nlogit_softcap = 30.0\n")
+    assert resolve_model_args(capped, 300).logit_softcap == 30.0
+    uncapped = parse_args(["--config", str(tmp_path / "job.toml"), "--model.logit_softcap", "0"])
+    assert uncapped.model.logit_softcap == 0.0 and resolve_model_args(uncapped, 300).logit_softcap == 0.0
+
+
+# What the trainer wrote as config.toml before a key was unset by leaving it out: every key, "the flavor's"
+# spelled 0, -1 or "" (the mode_debug flavor has n_kv_heads = 2 and moe_hidden = 256, where 0 now overrides).
+OLD_DUMP = """[model]
+flavor = "mode_debug"
+vocab_size = 0
+dim = 0
+n_layers = 3
+n_heads = 0
+n_kv_heads = 0
+head_dim = 0
+ffn_hidden = 0
+activation = ""
+max_seq_len = 0
+rope_theta = 0.0
+rope_scaling = ""
+rope_scaling_factor = 0.0
+rope_low_freq_factor = 0.0
+rope_high_freq_factor = 0.0
+rope_original_max_seq_len = 0
+rope_fraction = -1.0
+nope_every = -1
+qk_norm = true
+norm_eps = 0.0
+tie_embeddings = ""
+logit_softcap = -1.0
+residual_scalars = ""
+n_experts = -1
+top_k = 0
+moe_hidden = 0
+moe_every = 0
+shared_expert = ""
+renormalize_gates = ""
+aux_loss_coef = -1.0
+router_z_loss_coef = -1.0
+bias_update_rate = -1.0
+kv_share = ""
+kv_share_group = -1
+parametrization = ""
+mup_base_dim = 0
+mup_base_head_dim = 0
+"""
+
+
+def test_config_toml_written_before_reads_as_it_did(tmp_path):
+    cfg = _load(tmp_path, OLD_DUMP)
+    assert model_overrides(cfg.model) == {"n_layers": 3, "qk_norm": True}
+    assert resolve_model_args(cfg, 300) == dataclasses.replace(FLAVORS["mode_debug"], n_layers=3, qk_norm=True,
+                                                               vocab_size=320, max_seq_len=cfg.training.seq_len)
+    # Written again, it holds the set keys only, and reads back to the same model.
+    assert dataclasses.asdict(_load(tmp_path, to_toml(cfg))) == dataclasses.asdict(cfg)
+    assert "n_kv_heads" not in to_toml(cfg)
+
+
+def test_resume_diagnosis_reads_old_and_new_config_toml(tmp_path):
+    """The previous start's config.toml, in either form, against a job that sets one more key: only that key is
+    named, with the flavor's value from run.json (or "unset" without it)."""
+    from torchtitan_ext.checkpoint.manager import config_changes
+    from torchtitan_ext.checkpoint.run_folder import write_identity
+
+    before = ["--model.flavor", "mode_debug", "--model.n_layers", "3", "--model.qk_norm", "true"]
+    job = parse_args([*before, "--model.dim", "128"])
+    for text in (OLD_DUMP, to_toml(parse_args(before))):
+        (tmp_path / "config.toml").write_text(text)
+        assert config_changes(tmp_path, job, ("model.",)) == [
+            "model.dim changed since the last start (unset -> 128): leave model.dim unset to resume it"]
+    write_identity(tmp_path, {"model": dataclasses.asdict(FLAVORS["mode_debug"])}, 0)
+    assert config_changes(tmp_path, parse_args(before[:4]), ("model.",)) == [
+        "model.qk_norm changed since the last start (true -> unset): set model.qk_norm = true to resume it"]
+    assert config_changes(tmp_path, job, ("model.",)) == [
+        "model.dim changed since the last start (256 -> 128): set model.dim = 256 to resume it"]
 
 
 @pytest.mark.parametrize("content, message", [
-    ('[model]\nqk_norm = "maybe"\n', "model.qk_norm: expected true, false or \"\" (unset), got 'maybe'"),
-    ("[model]\ntie_embeddings = 1\n", "model.tie_embeddings: expected true, false"),
+    ('[model]\nqk_norm = "maybe"\n', "model.qk_norm: expected bool, got 'maybe'"),
+    ("[model]\ntie_embeddings = 1\n", "model.tie_embeddings: expected bool, got 1"),
+    ("[model]\ndim = 96.5\n", "model.dim: expected int, got 96.5"),
+    ('[model]\nn_layers = "4"\n', "model.n_layers: expected int, got '4'"),
     ("[model]\nrope_fraction = 1.5\n", "model.rope_fraction: 1.5 is above the maximum 1.0"),
-    ("[model]\nnope_every = -2\n", "model.nope_every: -2 is below the minimum -1"),
+    ("[model]\nnope_every = -2\n", "model.nope_every: -2 is below the minimum 0"),
+    ("[model]\ndim = 0\n", "model.dim: 0 is below the minimum 1"),
     ("[model]\nhead_dim = -8\n", "model.head_dim: -8 is below the minimum 0"),
     ("[model]\nrope_theta = -1.0\n", "model.rope_theta: -1.0 is below the minimum 0.0"),
     ('[model]\nkv_share = "all"\n', "model.kv_share: 'all' is not one of"),
@@ -165,14 +269,22 @@ def test_bad_model_value_is_one_line_naming_the_key(tmp_path, content, message):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--model.rope_fraction", "-0.5"], "model.rope_fraction = -0.5: expected within [0, 1]"),
-    (["--model.kv_share_group", "0"], "model.kv_share_group = 0: expected >= 1"),
-    (["--model.logit_softcap", "-0.5"], "model.logit_softcap = -0.5: expected >= 0"),
+    (["--model.rope_fraction", "-0.5"], "argument --model.rope_fraction: model.rope_fraction: -0.5 is below the "
+                                        "minimum 0.0"),
+    (["--model.kv_share_group", "0"], "argument --model.kv_share_group: model.kv_share_group: 0 is below the "
+                                      "minimum 1"),
+    (["--model.logit_softcap", "-1"], "argument --model.logit_softcap: model.logit_softcap: -1.0 is below the "
+                                      "minimum 0.0"),
+    (["--model.dim", "wide"], "argument --model.dim: model.dim: expected int, got 'wide'"),
+    (["--model.qk_norm", "maybe"], "argument --model.qk_norm: model.qk_norm: expected bool, got 'maybe'"),
+    (["--model.rope_theta", "0"], "model.rope_theta = 0.0: expected > 0 (flavor 'debug' with the [model] keys "
+                                  "applied)"),
     (["--model.n_heads", "3"], "model.dim = 256 is not divisible by n_heads = 3"),
     (["--model.n_experts", "2", "--model.top_k", "3"], "model.top_k = 3: expected between 1 and n_experts = 2"),
 ])
 def test_inconsistent_model_is_one_line_naming_the_key(args, message):
-    """Values the loader passes but the resolved model refuses (ModelArgs.validate)."""
+    """Bad values on the command line: the loader's refusals (type, bounds), then those it passes but the
+    resolved model refuses (ModelArgs.validate)."""
     with pytest.raises(ConfigError) as e:
         resolve_model_args(parse_args(args), 300)
     assert message in str(e.value) and "\n" not in str(e.value)
