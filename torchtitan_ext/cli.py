@@ -13,10 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
-from torchtitan_ext.errors import RunStopped, UserError
-from torchtitan_ext.train.preemption import EXIT_INTERRUPTED
-
-EXIT_OK, EXIT_USER, EXIT_STOPPED = 0, 2, 3
+from torchtitan_ext.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_STOPPED, EXIT_USER, RunStopped, UserError
 
 
 class _CurrentStream(logging.StreamHandler):

@@ -1,9 +1,17 @@
 """The library's two exception families, which every entry point maps to one line and an exit code
 (``torchtitan_ext/cli.py``). Library modules raise subclasses of these; anything else is a bug and keeps its
 traceback. They live below every package, so a layer raises them without importing the one that reads them
-(``ConfigError`` without the TOML loader)."""
+(``ConfigError`` without the TOML loader). The exit codes are here too, one table for every entry point and
+the tests that check them."""
 
 from __future__ import annotations
+
+import signal
+
+EXIT_OK = 0  # done, or stopped by a preemption signal (after saving, or before anything was written)
+EXIT_USER = 2  # a UserError: one line
+EXIT_STOPPED = 3  # a RunStopped: the run protected its checkpoints
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # a second Ctrl-C (or one before the tool took the signal over): at once
 
 
 class UserError(ValueError):

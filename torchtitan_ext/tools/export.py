@@ -15,8 +15,7 @@ import sys
 import torch
 
 from torchtitan_ext import cli
-from torchtitan_ext.errors import UserError
-from torchtitan_ext.train.preemption import EXIT_INTERRUPTED
+from torchtitan_ext.errors import EXIT_INTERRUPTED, UserError
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 

@@ -18,9 +18,8 @@ from torchtitan_ext.data.prepare import __doc__ as DESCRIPTION
 from torchtitan_ext.data.shards import write_shard
 from torchtitan_ext.data.sources.trees import TREE_SHARD_TOKENS, TreeError, prepare_trees
 from torchtitan_ext.data.tokenizers import open_tokenizer
-from torchtitan_ext.errors import UserError
+from torchtitan_ext.errors import EXIT_INTERRUPTED, UserError
 from torchtitan_ext.eval.load import perplexity_scores
-from torchtitan_ext.train.preemption import EXIT_INTERRUPTED
 
 SHARD_TOKENS = 100_000_000
 

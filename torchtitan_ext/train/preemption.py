@@ -27,15 +27,16 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
+from torchtitan_ext.errors import EXIT_INTERRUPTED, EXIT_OK
+
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-EXIT_INTERRUPTED = 128 + signal.SIGINT
 
 
 class StartupInterrupted(BaseException):
     """A preemption signal before training began: nothing written, exit 0. A BaseException, so that no
     ``except Exception`` on the way (a checkpoint load's fallback) takes it for a failure."""
 
-    exit_code = 0
+    exit_code = EXIT_OK
 
 
 class InterruptedAgain(StartupInterrupted):

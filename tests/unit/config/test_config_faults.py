@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from torchtitan_ext.cli import EXIT_USER, run_tool
+from torchtitan_ext.cli import run_tool
 from torchtitan_ext.config.loader import parse_args
-from torchtitan_ext.errors import ConfigError
+from torchtitan_ext.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_STOPPED, EXIT_USER, ConfigError, RunStopped
 from torchtitan_ext.tools import eval as eval_tool
 from torchtitan_ext.tools import train as train_tool
+from torchtitan_ext.train.preemption import InterruptedAgain, StartupInterrupted
 
 
 def _sums(root: Path) -> dict[str, str]:
@@ -27,6 +28,25 @@ def _one_error(capsys, code: int) -> str:
     assert code == EXIT_USER and len(err) == 1, err
     assert err[0].startswith("error: ")
     return err[0].removeprefix("error: ")
+
+
+def test_each_ending_has_its_exit_code_from_errors(capsys):
+    """The one table of exit codes (errors.py): what the tools' boundary returns for each ending, and the
+    trainer's stop requests."""
+    def raising(exc: BaseException):
+        def main(argv: list[str]) -> int:
+            raise exc
+        return main
+
+    assert (EXIT_OK, EXIT_USER, EXIT_STOPPED, EXIT_INTERRUPTED) == (0, 2, 3, 130)
+    assert run_tool(lambda argv: None, []) == EXIT_OK
+    assert run_tool(raising(ConfigError("model.dim: 0 is below the minimum 1")), []) == EXIT_USER
+    assert run_tool(raising(RunStopped("loss is NaN at step 3")), []) == EXIT_STOPPED
+    assert run_tool(raising(KeyboardInterrupt()), []) == EXIT_INTERRUPTED
+    assert capsys.readouterr().err.splitlines() == ["error: model.dim: 0 is below the minimum 1",
+                                                    "error: loss is NaN at step 3",
+                                                    "error: interrupted (SIGINT): stopped at once"]
+    assert (StartupInterrupted.exit_code, InterruptedAgain.exit_code) == (EXIT_OK, EXIT_INTERRUPTED)
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ import torchtitan_ext.tools.prepare as prep
 from torchtitan_ext.data.filters import SHINGLE, NearDuplicates
 from torchtitan_ext.data.shards import read_shard
 from torchtitan_ext.data.tokenizers import ByteTokenizer
+from torchtitan_ext.errors import EXIT_INTERRUPTED
 
 
 def _docs_of(out: Path) -> list[str]:
@@ -86,7 +87,7 @@ def test_crash_resume_and_bad_input_keep_what_was_written(tmp_path, capsys, monk
 
     monkeypatch.setattr(prep, "write_shard", crashing)
     crashed = tmp_path / "crashed"
-    assert prep.main([*args, "--output-dir", str(crashed)]) == 130  # an interrupt: one line, exit 130
+    assert prep.main([*args, "--output-dir", str(crashed)]) == EXIT_INTERRUPTED  # an interrupt: one line, exit 130
     monkeypatch.setattr(prep, "write_shard", real)
     assert len(list(crashed.glob("*.bin"))) == 3
     assert prep.main([*args, "--output-dir", str(crashed), "--workers", "2"]) == 0
