@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from trainer_utils import CKPT_EVERY_2, REPO, TINY, file_checksums
 
+from torchtitan_ext.errors import EXIT_INTERRUPTED
 from torchtitan_ext.train.__main__ import main
-from torchtitan_ext.train.preemption import EXIT_INTERRUPTED
 
 pytestmark = pytest.mark.usefixtures("restore_signal_handlers")
 

@@ -23,8 +23,8 @@ from trainer_utils import REPO, file_checksums
 
 from torchtitan_ext.data.prepare import STATE
 from torchtitan_ext.data.shards import read_shard
+from torchtitan_ext.errors import EXIT_INTERRUPTED
 from torchtitan_ext.tools.prepare import main
-from torchtitan_ext.train.preemption import EXIT_INTERRUPTED
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
 

@@ -13,12 +13,12 @@ import signal
 
 from trainer_utils import file_checksums
 
-from torchtitan_ext.cli import EXIT_OK, EXIT_USER, run_tool
+from torchtitan_ext.cli import run_tool
+from torchtitan_ext.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USER
 from torchtitan_ext.hf import export as hf_export
 from torchtitan_ext.tools import eval as eval_tool
 from torchtitan_ext.tools import export as export_tool
 from torchtitan_ext.tools import generate as generate_tool
-from torchtitan_ext.train.preemption import EXIT_INTERRUPTED
 
 
 def _eval(capsys, config) -> tuple[int, dict | None, list[str]]:
