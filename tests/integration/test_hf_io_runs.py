@@ -54,18 +54,25 @@ def trained(tmp_path_factory):
     return dump
 
 
-def test_sharded_cli_export_logits_and_load_hf(trained, tmp_path):
+@pytest.fixture(scope="module")
+def sharded_export(trained, tmp_path_factory):
+    """``trained`` exported by the CLI in float32, in shards of at most 40 KB: (folder, the CLI's result). Read
+    by the tests, never written."""
+    folder = tmp_path_factory.mktemp("sharded_export") / "f32"
+    out = _cli("--checkpoint", str(trained), "--output", str(folder), "--dtype", "float32", "--max-shard-size", "40KB")
+    assert out.returncode == 0, out.stderr
+    return folder, out
+
+
+def test_sharded_cli_export_logits_and_load_hf(trained, sharded_export, tmp_path):
     """float32 sharded export through the CLI: >= 3 shards under the limit (a larger tensor alone), transformers'
     logits equal ours, load_hf gives the model back; the default bf16 export is bf16 in config and tensors,
     and load_hf keeps it bf16."""
     transformers = pytest.importorskip("transformers")
     from torchtitan_ext.eval.load import load_trained
 
-    out = _cli("--checkpoint", str(trained), "--output", str(tmp_path / "f32"), "--dtype", "float32",
-               "--max-shard-size", "40KB")
-    assert out.returncode == 0, out.stderr
+    folder, out = sharded_export
     assert "LlamaForCausalLM (native transformers class)" in out.stdout and "float32" in out.stdout
-    folder = tmp_path / "f32"
     index = json.loads((folder / INDEX).read_text())
     shards = _shard_bytes(folder)
     assert len(shards) >= 3 and set(index["weight_map"].values()) == set(shards)
@@ -96,15 +103,12 @@ def test_sharded_cli_export_logits_and_load_hf(trained, tmp_path):
     assert hf.config.eos_token_id == 256
 
 
-def test_continued_pretraining_from_sharded_folder_fsdp2_equals_one_process(trained, tmp_path):
+def test_continued_pretraining_from_sharded_folder_fsdp2_equals_one_process(trained, sharded_export, tmp_path):
     """checkpoint.initial_load_path = a sharded export: 2 FSDP processes train like 1 (same global batch), the
     weights were loaded (step 1's loss is the trained model's, below the fresh one's), and rank 0 read about
     half the folder."""
-    out = _cli("--checkpoint", str(trained), "--output", str(tmp_path / "hf"), "--dtype", "float32",
-               "--max-shard-size", "40KB")
-    assert out.returncode == 0, out.stderr
     start = ["--checkpoint.enabled", "false", "--training.steps", "3",
-             "--checkpoint.initial_load_path", str(tmp_path / "hf")]
+             "--checkpoint.initial_load_path", str(sharded_export[0])]
     one = run_trainer(tmp_path / "one", 0, *LLAMA, *start)
     two = run_trainer(tmp_path / "two", 2, *LLAMA, *start, "--training.local_batch_size", "2")
     a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
