@@ -11,6 +11,7 @@ inductor keeps instead (pointwise results recomputed in the backward pass), also
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -110,9 +111,11 @@ class Plan:
         return max(backward, step) * ALLOCATOR_OVERHEAD
 
 
+@functools.lru_cache(maxsize=4)
 def _param_groups(args: ModelArgs) -> dict[str, int]:
     """Parameter counts of the real module tree (meta device): blocks' matrices, experts, routers, norms,
-    embedding, head, per layer for the block ones."""
+    embedding, head, per layer for the block ones. Cached: a layout search plans one model thousands of times
+    and building a 94-layer model on the meta device takes a second."""
     from torchtitan_ext.models.decoder import Decoder
 
     with torch.device("meta"):
@@ -134,6 +137,30 @@ def _param_groups(args: ModelArgs) -> dict[str, int]:
     return groups
 
 
+def check_trainer_layout(cfg: JobConfig, args: ModelArgs, dims: ParallelDims) -> None:
+    """The trainer's own checks of a layout against the model and the batch, called rather than restated so
+    that the planner refuses what the trainer refuses (ConfigError, one line): TP, sequence-parallel and EP
+    divisibility (``train.build.check_layout``), the global batch (``plan_batches``) and, under pipeline
+    parallelism, the schedule and micro-batches (``parallel.pp.check_schedule``), the stages' layers
+    (``layer_ranges``), KV-sharing groups (``check_kv_share_split``) and untied embeddings (``split_stages``)."""
+    from torchtitan_ext.parallel.pp import check_schedule, layer_ranges
+    from torchtitan_ext.train.attention_features import check_kv_share_split
+    from torchtitan_ext.train.build import check_layout, plan_batches, pp_microbatches
+
+    check_layout(cfg, args, dims)
+    plan_batches(cfg, dims)
+    if dims.pp > 1:
+        p, ac = cfg.parallelism, cfg.activation_checkpoint
+        check_schedule(p.pp_schedule, p.pp_virtual_stages, pp_microbatches(cfg, dims), dims.pp,
+                       cfg.training.local_batch_size, op_level_sac=ac.mode == "selective" and ac.selective_every == 0)
+        layer_ranges(args.n_layers, dims.pp * p.pp_virtual_stages, p.pp_split_points)
+        if args.kv_share != "none":
+            check_kv_share_split(args.n_layers, dims.pp * p.pp_virtual_stages, p.pp_split_points,
+                                 args.kv_share_group)
+        if args.tie_embeddings:  # split_stages' check, which needs the built model
+            raise ConfigError("pipeline parallelism needs untied embeddings (the flavor ties them)")
+
+
 class _Job:
     """What each step of :func:`plan` reads: the config, the layout (ConfigError where it does not fit the
     model), the parameter groups ``g`` of the real module tree and, derived once, the heaviest pipeline
@@ -150,13 +177,7 @@ class _Job:
             raise ConfigError(str(e)) from None
         # The tokenizer's vocabulary without building it (the builtin one is trained on first use).
         args = resolve_model_args(cfg, vocab_size_of(cfg.data.tokenizer, cfg.data.tokenizer_vocab_size))
-        if args.n_heads % dims.tp or args.kv_heads % dims.tp:
-            raise ConfigError(f"model heads {args.n_heads} / kv heads {args.kv_heads} not divisible by "
-                              f"parallelism.tp = {dims.tp}")
-        if args.n_experts and args.n_experts % dims.ep:
-            raise ConfigError(f"model.n_experts = {args.n_experts} not divisible by parallelism.ep = {dims.ep}")
-        if args.n_layers < dims.pp * cfg.parallelism.pp_virtual_stages:
-            raise ConfigError(f"{args.n_layers} layers cannot fill {dims.pp} pipeline stages")
+        check_trainer_layout(cfg, args, dims)
         g, t = _param_groups(args), cfg.training
         self.cfg, self.dims, self.args, self.g = cfg, dims, args, g
         self.layers = math.ceil(args.n_layers / dims.pp)
@@ -181,7 +202,8 @@ def plan(cfg: JobConfig, world: int) -> Plan:
 def _parameter_memory(p: Plan, job: _Job) -> None:
     """Parameters, gradients and optimizer state on this rank (the heaviest pipeline stage, TP-sharded
     matrices, FSDP shards), then the unsharded bf16 parameters while computing: FSDP gathers ~2 units at once
-    (a unit: one block's dense matrices, TP-sharded, and this rank's experts, EP-sharded); without FSDP the
+    (a unit: one block's dense matrices, TP-sharded, and this rank's experts, EP-sharded), under pipeline
+    parallelism the whole stage with its unsharded gradients; without FSDP the
     trainer runs bf16 autocast, whose weight casts are saved for the backward pass (the whole local model)."""
     g, dims, args, t = job.g, job.dims, job.args, job.cfg.training
     local = ((job.block + job.ends) / dims.tp + g["norms"] * job.frac_layers) / job.shard
@@ -193,8 +215,14 @@ def _parameter_memory(p: Plan, job: _Job) -> None:
     p.memory["optimizer state"] = F32 * (2 * (local - muon_part) + muon_part)  # AdamW 2 moments, Muon 1
     unit = (g["matrices"] + g["routers"] + g["experts"] / dims.ep) / args.n_layers / dims.tp
     end_unit = (max(g["embedding"], g["head"]) if job.ends else 0) / dims.tp
-    if dims.fsdp_enabled:  # the running unit and the prefetched one (the embedding or head is one unit of its own)
-        red = F32 if t.mixed_precision_reduce == "float32" else 2
+    red = F32 if t.mixed_precision_reduce == "float32" else 2
+    if dims.fsdp_enabled and dims.pp > 1:
+        # parallelize.py keeps a pipeline stage's blocks gathered after the forward, and torch's PipelineStage
+        # turns off resharding and gradient sync until the step's last backward (perform_reduce_grad): the
+        # whole stage is unsharded, its gradients accumulate unsharded in the reduce dtype
+        stage = unit * job.layers + job.ends / dims.tp + g["norms"] * job.frac_layers
+        p.memory["unsharded params + grads (bf16 / reduce dtype)"] = stage * (job.act + red)
+    elif dims.fsdp_enabled:  # the running unit and the prefetched one (the embedding or head is a unit of its own)
         p.memory["unsharded params + grads (bf16 / reduce dtype)"] = (
             (FSDP_UNSHARDED_UNITS - 1) * unit + max(unit, end_unit)) * job.act + max(unit, end_unit) * red
     elif t.mixed_precision_param == "bfloat16":
@@ -290,7 +318,10 @@ def communication(job: _Job) -> dict[str, float]:
         ring = (dims.dp_shard - 1) / dims.dp_shard
         e_ring = (dims.dp_shard // dims.ep - 1) / (dims.dp_shard // dims.ep)
         gathered = stage * ring + experts * e_ring
-        out["dp_shard all-gather (fwd + bwd, per micro-batch)"] = 2 * per_micro * gathered * act
+        if dims.pp > 1:  # the stage stays gathered from its first forward to the step's end (_parameter_memory)
+            out["dp_shard all-gather (once per pipeline step)"] = per_micro * gathered * act
+        else:
+            out["dp_shard all-gather (fwd + bwd, per micro-batch)"] = 2 * per_micro * gathered * act
         # Under HSDP Squinch compresses the replicate all-reduce only (parallel/compression.py).
         out["dp_shard reduce-scatter"] = gathered * red * (ratio if dims.dp_replicate == 1 else 1.0)
     if dims.dp_replicate > 1:
