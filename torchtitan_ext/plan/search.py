@@ -1,0 +1,341 @@
+"""The layout search: every layout the trainer accepts for N GPUs, kept where the memory model
+(``estimate.plan``) fits it in the device's memory, ranked by an expected step time. These are model
+estimates, not measurements; the rules are deliberately few so that a ranking can be argued with.
+
+Candidates, for N GPUs and a global batch G (``training.global_batch_size``; when -1,
+``training.local_batch_size`` x N sequences), every one checked by the trainer's own validation
+(``estimate.check_trainer_layout``; a ConfigError skips it):
+  * every factorisation N = pp x dp_replicate x dp_shard x tp (FSDP2; HSDP where dp_replicate > 1) and, for a
+    MoDE model, every ep dividing dp_shard (``parallel/dims.py``: EP borrows its ranks from dp_shard; under TP
+    the experts are sharded over ep x tp);
+  * pp > 1: 1F1B, and Interleaved1F1B with 2 virtual stages; micro-batches of 1, 2, 4 or 8 sequences;
+  * activation checkpointing none, selective (op-level) or full;
+  * the local batch: the largest divisor of G / dp that fits (memory grows with it, step time does not).
+Each layout (with its schedule) keeps its fastest AC setting and batch; layouts rank by step time, then memory.
+
+Step time of one optimizer step (the global batch) on every GPU:
+  compute   = the trainer's MFU FLOPs (``metrics.logger.flops_per_token``) x G x seq_len / N / (peak x MFU);
+              peak 989 TFLOP/s (H100 bf16 dense), MFU 0.45 (``Hardware``; one H100 measured 0.54-0.55 on the
+              compiled 1b and 8B in issue 42; uncompiled MoDE with small experts will be lower). Smaller GEMMs
+              under TP, MoDE load imbalance and kernel launch costs are not modelled.
+  recompute = full AC: compute / 3 (the forward again: 2 of the 6 FLOPs per parameter and token); op-level
+              selective: SELECTIVE_RECOMPUTE x compute (pointwise ops only: 1b lost 3% with it in RESULTS.md,
+              issue 16); selective every N blocks: compute / (3 N).
+  bubble    = (compute + recompute) x (pp - 1) / (micro-batches x virtual stages), plus PP_PASS_OVERHEAD (3 ms)
+              per micro-batch and virtual stage.
+  comm      = bytes per rank per mesh dimension (``estimate.communication``) / bandwidth: NVLink bus bandwidth
+              360 GB/s per GPU inside a node, 50 GB/s per GPU (400 Gb/s InfiniBand) for a dimension whose ranks
+              span nodes (rank order pp x dp_replicate x dp_shard (ep inner) x tp, tp innermost, 8 GPUs per
+              node). Data-parallel traffic (FSDP all-gather and reduce-scatter, HSDP / DDP all-reduce) overlaps
+              compute except FSDP_EXPOSED of it and all of what exceeds the compute time; TP, EP all-to-all
+              and pipeline sends are on the critical path.
+  step      = compute + recompute + bubble + exposed comm; tokens/s per GPU = G x seq_len / step / N.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torchtitan_ext.config.job_config import JobConfig
+from torchtitan_ext.errors import ConfigError, UserError
+from torchtitan_ext.plan.estimate import GIB, Plan, plan
+
+# Share of the step's compute that op-level selective AC adds (1b, fused CE: 90,811 vs 93,644 tokens/s).
+SELECTIVE_RECOMPUTE = 0.03
+# Share of the data-parallel collectives' time not hidden behind compute (the first all-gather, the last
+# reduce-scatter): 1b lost 0.8% / 1.5% per GPU at FSDP 2 / 4 on one H100 node, about a quarter of the time its
+# all-gathers and reduce-scatters take at 360 GB/s (issue 42).
+FSDP_EXPOSED = 0.25
+# Seconds each (micro-batch, virtual stage) pass of a pipeline schedule costs beyond its FLOPs (separate
+# forward / backward calls, send / recv handshakes): 1b PP 2 x FSDP 2, 1F1B, 8 micro-batches (issue 42) lost
+# about 5.7 ms per micro-batch more than its bubble; the 7b-shaped 8-layer PP 2 (2 H200s, RESULTS.md) none.
+PP_PASS_OVERHEAD = 0.003
+MICRO_SEQUENCES = (1, 2, 4, 8)  # sequences per pipeline micro-batch tried
+DATA_PARALLEL_DIMS = ("dp_shard", "dp_replicate", "dp")
+AC_MODES = ("none", "selective", "full")
+PP_SCHEDULES = (("1F1B", 1), ("Interleaved1F1B", 2))
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The assumed machine (every figure overridable from the command line)."""
+    peak_flops: float = 989e12  # H100 SXM dense bf16, as metrics.logger.PEAK_BF16_FLOPS
+    mfu: float = 0.45  # achievable share of the peak for the compute alone
+    intra_node_bw: float = 360e9  # bytes/s per GPU: NCCL bus bandwidth over NVLink (H100 SXM)
+    inter_node_bw: float = 50e9  # bytes/s per GPU: one 400 Gb/s InfiniBand NIC per GPU
+    gpus_per_node: int = 8
+
+
+@dataclass
+class StepTime:
+    """Seconds of one optimizer step by source; ``comm``: the exposed part per mesh dimension."""
+    compute: float
+    recompute: float
+    bubble: float
+    passes: float  # the pipeline schedule's per-pass overhead
+    comm: dict[str, float]
+    tokens: int  # of the global batch
+    gpus: int
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.recompute + self.bubble + self.passes + sum(self.comm.values())
+
+    @property
+    def tokens_per_gpu_s(self) -> float:
+        return self.tokens / self.total / self.gpus
+
+
+def global_batch(cfg: JobConfig, gpus: int) -> int:
+    """Sequences per optimizer step that every candidate trains on: the config's, or its local batch per GPU."""
+    t = cfg.training
+    return t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * gpus
+
+
+def spans_nodes(stride: int, size: int, gpus: int, gpus_per_node: int) -> bool:
+    """Whether a group of ``size`` ranks ``stride`` apart reaches outside one node (for some group)."""
+    if size == 1 or gpus <= gpus_per_node:
+        return False
+    return stride * size > gpus_per_node or gpus_per_node % (stride * size) != 0
+
+
+def dimension_spans(p: Plan, hw: Hardware) -> dict[str, bool]:
+    """Per mesh dimension named in ``estimate.communication``'s keys: whether its groups cross nodes. The
+    world is ``pp x dp_replicate x dp_shard x tp`` with tp innermost (``parallel/dims.py``); ep is the inner
+    part of dp_shard."""
+    d = p.dims
+    groups = {"tp": (1, d.tp), "ep": (d.tp, d.ep), "dp_shard": (d.tp, d.dp_shard), "dp": (d.tp, d.dp),
+              "dp_replicate": (d.tp * d.dp_shard, d.dp_replicate), "pp": (d.tp * d.dp, d.pp)}
+    return {k: spans_nodes(stride, size, p.world, hw.gpus_per_node) for k, (stride, size) in groups.items()}
+
+
+def step_time(cfg: JobConfig, p: Plan, hw: Hardware) -> StepTime:
+    """The expected seconds of one optimizer step of ``cfg`` laid out as ``p`` (the rules: module docstring)."""
+    from torchtitan_ext.metrics.logger import flops_per_token
+    from torchtitan_ext.models.param_count import count_params
+
+    a, t, ac = p.args, cfg.training, cfg.activation_checkpoint
+    counts = count_params(a)
+    active = counts["active"] - (0 if a.tie_embeddings else counts["embedding"])  # as the trainer's MFU
+    tokens = global_batch(cfg, p.world) * t.seq_len
+    compute = flops_per_token(active, a.n_layers, a.n_heads, a.hdim, t.seq_len) * tokens / p.world \
+        / (hw.peak_flops * hw.mfu)
+    if ac.mode == "full":
+        recompute = compute / 3
+    elif ac.mode == "selective":
+        recompute = compute / (3 * ac.selective_every) if ac.selective_every else compute * SELECTIVE_RECOMPUTE
+    else:
+        recompute = 0.0
+    bubble = passes = 0.0
+    if p.dims.pp > 1:
+        v = cfg.parallelism.pp_virtual_stages
+        micro = cfg.parallelism.pp_microbatches or p.dims.pp * v
+        bubble = (compute + recompute) * (p.dims.pp - 1) / (micro * v)
+        accum = global_batch(cfg, p.world) // (t.local_batch_size * p.dims.dp)
+        passes = PP_PASS_OVERHEAD * accum * micro * v
+    spans = dimension_spans(p, hw)
+    seconds: dict[str, float] = {}
+    for key, nbytes in p.comm.items():
+        dim = key.split()[0]
+        bw = hw.inter_node_bw if spans[dim] else hw.intra_node_bw
+        seconds[dim] = seconds.get(dim, 0.0) + nbytes / bw
+    data_parallel = sum(v for k, v in seconds.items() if k in DATA_PARALLEL_DIMS)
+    if data_parallel:
+        exposed = max(FSDP_EXPOSED * data_parallel, data_parallel - compute - recompute) / data_parallel
+        seconds = {k: v * exposed if k in DATA_PARALLEL_DIMS else v for k, v in seconds.items()}
+    return StepTime(compute, recompute, bubble, passes, seconds, tokens, p.world)
+
+
+@dataclass
+class Candidate:
+    """One layout with its AC setting and batch: the config to run, its memory plan and its step time."""
+    cfg: JobConfig
+    plan: Plan
+    time: StepTime
+
+    @property
+    def layout(self) -> str:
+        """e.g. ``PP 4 (Interleaved1F1B, 64 mb) x FSDP 32 (EP 32) x TP 2``."""
+        d, par = self.plan.dims, self.cfg.parallelism
+        parts = []
+        if d.pp > 1:
+            parts.append(f"PP {d.pp} ({par.pp_schedule}, {par.pp_microbatches} mb)")
+        if d.dp_replicate > 1:
+            parts.append(f"HSDP {d.dp_replicate}x{d.dp_shard}" if d.dp_shard > 1 else f"replicate {d.dp_replicate}")
+        elif d.dp_shard > 1:
+            parts.append(f"FSDP {d.dp_shard}")
+        if d.ep > 1:
+            parts[-1] += f" (EP {d.ep})"
+        if d.tp > 1:
+            parts.append(f"TP {d.tp}")
+        return " x ".join(parts) or "1 GPU"
+
+    @property
+    def accum_steps(self) -> int:
+        return global_batch(self.cfg, self.plan.world) // (self.cfg.training.local_batch_size * self.plan.dims.dp)
+
+    def overrides(self) -> list[str]:
+        """The ``--section.key value`` arguments that give this candidate's layout, AC and batch."""
+        par, t = self.cfg.parallelism, self.cfg.training
+        out = [f"--parallelism.{k} {getattr(par, k)}" for k in ("dp_replicate", "dp_shard", "tp", "pp", "ep")]
+        if par.pp > 1:
+            out += [f"--parallelism.pp_schedule {par.pp_schedule}",
+                    f"--parallelism.pp_virtual_stages {par.pp_virtual_stages}",
+                    f"--parallelism.pp_microbatches {par.pp_microbatches}"]
+        out += [f"--activation_checkpoint.mode {self.cfg.activation_checkpoint.mode}",
+                f"--training.local_batch_size {t.local_batch_size}",
+                f"--training.global_batch_size {global_batch(self.cfg, self.plan.world)}"]
+        return out
+
+
+@dataclass
+class SearchResult:
+    """``ranked``: the fitting layouts, fastest first (one per layout and schedule). ``smallest``: the
+    smallest-peak candidate evaluated, for saying by how much nothing fits."""
+    gpus: int
+    global_batch: int
+    device_bytes: float
+    hw: Hardware
+    ranked: list[Candidate] = field(default_factory=list)
+    layouts: int = 0  # (layout, schedule, micro-batch size, AC) combinations tried
+    refused: int = 0  # of which the trainer's validation refused
+    smallest: Candidate | None = None
+
+
+def _divisors(n: int) -> list[int]:
+    return [i for i in range(1, n + 1) if n % i == 0]
+
+
+def _layouts(gpus: int, n_experts: int) -> list[dict]:
+    """Every ``parallelism`` setting for ``gpus`` ranks (FSDP2 mode; ep only for a MoDE model)."""
+    out = []
+    for tp in _divisors(gpus):
+        for pp in _divisors(gpus // tp):
+            dp = gpus // (tp * pp)
+            for rep in _divisors(dp):
+                shard = dp // rep
+                for ep in (_divisors(shard) if n_experts else [1]):
+                    schedules = PP_SCHEDULES if pp > 1 else (("1F1B", 1),)
+                    out += [dict(dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, ep=ep, dp_mode="fsdp",
+                                 pp_schedule=s, pp_virtual_stages=v) for s, v in schedules]
+    return out
+
+
+def _with(cfg: JobConfig, par: dict, ac: str, local_batch: int, gbs: int, pp_micro: int) -> JobConfig:
+    """``cfg`` with this layout, AC mode, local batch and pipeline micro-batches (0: pp x virtual stages)."""
+    return dataclasses.replace(
+        cfg, parallelism=dataclasses.replace(cfg.parallelism, **par, pp_microbatches=pp_micro, pp_split_points=[]),
+        activation_checkpoint=dataclasses.replace(cfg.activation_checkpoint, mode=ac, selective_every=0),
+        training=dataclasses.replace(cfg.training, local_batch_size=local_batch, global_batch_size=gbs))
+
+
+def search(cfg: JobConfig, gpus: int, device_bytes: float, hw: Hardware = Hardware()) -> SearchResult:
+    """Every layout of ``cfg``'s model on ``gpus`` GPUs that the trainer accepts and that fits
+    ``device_bytes`` per GPU, ranked by expected step time (the rules: the module docstring)."""
+    from torchtitan_ext.data.tokenizers import vocab_size_of
+    from torchtitan_ext.models.flavors import resolve_model_args
+
+    if gpus < 1:
+        raise UserError(f"the GPU count is {gpus}: expected a whole number >= 1")
+    args = resolve_model_args(cfg, vocab_size_of(cfg.data.tokenizer, cfg.data.tokenizer_vocab_size))
+    gbs = global_batch(cfg, gpus)
+    result = SearchResult(gpus, gbs, device_bytes, hw)
+
+    def evaluate(c: JobConfig) -> Candidate:
+        p = plan(c, gpus)
+        cand = Candidate(c, p, step_time(c, p, hw))
+        if result.smallest is None or p.peak < result.smallest.plan.peak:
+            result.smallest = cand
+        return cand
+
+    for par in _layouts(gpus, args.n_experts):
+        fits = []
+        dp = gpus // (par["tp"] * par["pp"])
+        for micro in (MICRO_SEQUENCES if par["pp"] > 1 else (0,)):
+            # local batches the trainer takes: G a multiple of local x dp, under PP a whole number >= pp of
+            # micro-batches of ``micro`` sequences
+            batches = [b for b in _divisors(gbs // dp) if not micro or (b % micro == 0 and b // micro >= par["pp"])] \
+                if gbs % dp == 0 else []
+            for ac in AC_MODES:
+                result.layouts += 1
+                try:
+                    if not batches:
+                        raise ConfigError("no local batch divides the global batch")
+                    if fit := _largest_fitting(cfg, par, ac, micro, batches, gbs, evaluate, device_bytes):
+                        fits.append(fit)
+                except ConfigError:
+                    result.refused += 1
+        if fits:
+            result.ranked.append(min(fits, key=_rank))
+    result.ranked.sort(key=_rank)
+    return result
+
+
+def _largest_fitting(cfg: JobConfig, par: dict, ac: str, micro: int, batches: list[int], gbs: int,
+                     evaluate: Callable[[JobConfig], Candidate], device_bytes: float) -> Candidate | None:
+    """The candidate with the largest local batch in ``batches`` that fits (memory grows with the batch, step
+    time does not: a binary search), or None. The trainer's checks (ConfigError) do not depend on the batch
+    within ``batches``: the smallest is checked."""
+
+    def at(i: int) -> Candidate:
+        return evaluate(_with(cfg, par, ac, batches[i], gbs, batches[i] // micro if micro else 0))
+    fit = at(0)
+    if fit.plan.peak > device_bytes:
+        return None
+    lo, hi = 1, len(batches) - 1
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if (cand := at(mid)).plan.peak <= device_bytes:
+            fit, lo = cand, mid + 1
+        else:
+            hi = mid - 1
+    return fit
+
+
+def _rank(c: Candidate) -> tuple[float, float]:
+    return c.time.total, c.plan.peak
+
+
+def _seconds(s: float) -> str:
+    return f"{s * 1000:.1f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def time_report(t: StepTime, hw: Hardware) -> list[str]:
+    """The step time's lines for a single layout's report."""
+    parts = [f"compute {_seconds(t.compute)}"]
+    parts += [f"{name} {_seconds(v)}" for name, v in (("recompute", t.recompute), ("pp bubble", t.bubble),
+                                                       ("pp passes", t.passes)) if v]
+    parts += [f"{dim} comm {_seconds(v)}" for dim, v in t.comm.items() if v]
+    return [f"expected step time {_seconds(t.total)}, {t.tokens_per_gpu_s:,.0f} tokens/s per GPU "
+            f"({', '.join(parts)})", assumptions(hw)]
+
+
+def search_report(r: SearchResult, model: str, top: int) -> list[str]:
+    """The search's table (the ``top`` fastest layouts that fit) and the chosen layout's overrides."""
+    nodes = -(-r.gpus // r.hw.gpus_per_node)
+    lines = [f"search: {model} on {r.gpus} GPUs ({nodes} node{'s' if nodes > 1 else ''} of "
+             f"{min(r.gpus, r.hw.gpus_per_node)}), {r.device_bytes / GIB:g} GiB each; global batch {r.global_batch} "
+             f"sequences; {r.layouts} combinations of layout, schedule, micro-batch size and AC, {r.refused} refused "
+             f"by the trainer's checks; {len(r.ranked)} layouts fit",
+             assumptions(r.hw),
+             f"{'#':>3}  {'layout':<58} {'AC':<9} {'batch':>9} {'GiB/GPU':>8} {'step':>9} {'tok/s/GPU':>10}"]
+    for i, c in enumerate(r.ranked[:top], 1):
+        batch = f"{c.cfg.training.local_batch_size}x{c.accum_steps}"
+        lines.append(f"{i:>3}  {c.layout:<58} {c.cfg.activation_checkpoint.mode:<9} {batch:>9} "
+                     f"{c.plan.peak / GIB:>8.1f} {_seconds(c.time.total):>9} {c.time.tokens_per_gpu_s:>10,.0f}")
+    best = r.ranked[0]
+    lines += ["batch: local batch x accumulation steps; memory: the planner's peak per GPU (x1.05 allocator slack)",
+              f"chosen: {best.layout}, AC {best.cfg.activation_checkpoint.mode}: {best.plan.peak / GIB:.1f} GiB per "
+              f"GPU, step {_seconds(best.time.total)}, {best.time.tokens_per_gpu_s:,.0f} tokens/s per GPU",
+              "  its overrides: " + " ".join(best.overrides())]
+    return lines
+
+
+def assumptions(hw: Hardware) -> str:
+    """The line that says the times are the model's, and on what they rest."""
+    return (f"model estimates, not measurements: {hw.peak_flops / 1e12:g} TFLOP/s x MFU {hw.mfu:g}, "
+            f"{hw.intra_node_bw / 1e9:g} GB/s per GPU inside a node, {hw.inter_node_bw / 1e9:g} GB/s across nodes "
+            f"({hw.gpus_per_node} GPUs per node), {FSDP_EXPOSED:.0%} of FSDP traffic exposed "
+            "(torchtitan_ext/plan/search.py)")
