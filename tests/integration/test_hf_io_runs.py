@@ -48,13 +48,6 @@ def _one_line(proc: subprocess.CompletedProcess, *words: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    dump = tmp_path_factory.mktemp("llama")
-    run_trainer(dump, 0, *LLAMA)
-    return dump
-
-
-@pytest.fixture(scope="module")
 def sharded_export(trained, tmp_path_factory):
     """``trained`` exported by the CLI in float32, in shards of at most 40 KB: (folder, the CLI's result). Read
     by the tests, never written."""
@@ -62,6 +55,13 @@ def sharded_export(trained, tmp_path_factory):
     out = _cli("--checkpoint", str(trained), "--output", str(folder), "--dtype", "float32", "--max-shard-size", "40KB")
     assert out.returncode == 0, out.stderr
     return folder, out
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("llama")
+    run_trainer(dump, 0, *LLAMA)
+    return dump
 
 
 def test_sharded_cli_export_logits_and_load_hf(trained, sharded_export, tmp_path):
