@@ -2,7 +2,8 @@
 # Runs the test suite (CPU; GPU tests are skipped without CUDA). Extra arguments go to pytest.
 #   launch/test.sh                 the CI tier: everything but the `slow` tier (convergence comparisons)
 #   launch/test.sh --all           every tier, `slow` included
-#   launch/test.sh -m multigpu     the NCCL tests, on a machine with 2+ GPUs (any -m replaces the default)
+#   launch/test.sh -m multigpu     the NCCL tests, on a machine with 2+ GPUs, in one pytest process (any -m
+#                                  replaces the default)
 # An existing python3 is used only if it also has triton and torchao: otherwise the Triton-interpreter and
 # float8 tests would skip silently, so the virtual environment (its dev extra pins both) is used instead.
 set -euo pipefail
@@ -24,6 +25,7 @@ for arg in "$@"; do
     case "$arg" in
         --all) tier=() ;;
         -m|-m=*) tier=(); args+=("$arg") ;;
+        multigpu*) args+=("$arg"); workers=() ;;  # one process: its JobPool shares the GPUs among all jobs
         *) args+=("$arg") ;;
     esac
 done

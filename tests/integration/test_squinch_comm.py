@@ -24,8 +24,10 @@ from dist_utils import run_distributed
 from torchtitan_ext.comm.compressed_collectives import (
     CommStats,
     SquinchReplicateAllReduce,
+    _compressed_all_reduce,
     apply_squinch_fsdp,
     install_squinch_replicate_hooks,
+    owned_chunk,
     register_squinch_ddp_hook,
 )
 from torchtitan_ext.comm.squinch import decode, encode
@@ -202,6 +204,34 @@ def _hsdp_run(rank: int, world_size: int, mode: str, min_numel: int, error_feedb
     return record
 
 
+DRIFT_STEPS, DRIFT_NUMEL = 300, 4096
+
+
+def _rms(x: torch.Tensor) -> float:
+    return x.square().mean().sqrt().item()
+
+
+def _drift_run(rank: int, world_size: int, owner_feedback: bool) -> dict[str, float]:
+    """The compressed all-reduce over DRIFT_STEPS steps of random per-rank gradients, with error feedback on
+    the rows and (``owner_feedback``) on the owner's average: the RMS of (sum of the averages - exact sum)
+    at the end, and the largest RMS of one step's error, in float64."""
+    gen = torch.Generator().manual_seed(rank)
+    residual = torch.zeros(DRIFT_NUMEL)
+    owner = torch.zeros(owned_chunk(DRIFT_NUMEL, world_size)) if owner_feedback else None
+    drift = torch.zeros(DRIFT_NUMEL, dtype=torch.float64)
+    one_step = 0.0
+    for _ in range(DRIFT_STEPS):
+        grad = torch.randn(DRIFT_NUMEL, generator=gen) * (1 + torch.rand(DRIFT_NUMEL, generator=gen))
+        exact = grad.double()
+        dist.all_reduce(exact)
+        averaged, residual, owner = _compressed_all_reduce(grad, dist.group.WORLD, CommStats(), torch.float32,
+                                                           residual, owner)
+        error = averaged.double() - exact / world_size
+        drift += error
+        one_step = max(one_step, _rms(error))
+    return {"drift": _rms(drift), "one_step": one_step}
+
+
 def _worker(rank: int, world_size: int) -> dict[str, dict[str, list[dict]]]:
     """All scenarios in one spawn per world size: starting the processes costs more than the runs."""
     ddp = {
@@ -227,7 +257,8 @@ def _worker(rank: int, world_size: int) -> dict[str, dict[str, list[dict]]]:
         "post": _hsdp_run(rank, world_size, "post", MIN_NUMEL, False, 2),
         "native": _hsdp_run(rank, world_size, "native", MIN_NUMEL, False, 2),
     }
-    return {"ddp": ddp, "fsdp": fsdp, "replicate": replicate, "hsdp": hsdp}
+    drift = {"double": [_drift_run(rank, world_size, True)], "rows_only": [_drift_run(rank, world_size, False)]}
+    return {"ddp": ddp, "fsdp": fsdp, "replicate": replicate, "hsdp": hsdp, "drift": drift}
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
@@ -236,7 +267,7 @@ def results(request) -> tuple[int, dict[str, dict[str, list[list[dict]]]]]:
     per_rank = run_distributed(_worker, request.param)
     return request.param, {
         kind: {scenario: [r[kind][scenario] for r in per_rank] for scenario in per_rank[0][kind]}
-        for kind in ("ddp", "fsdp", "replicate", "hsdp")
+        for kind in ("ddp", "fsdp", "replicate", "hsdp", "drift")
     }
 
 
@@ -283,10 +314,12 @@ def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 # ----------------------------------------------------------------------------------------------- DDP
 
-def _ddp_reference(runs: list[list[dict]], error_feedback: bool) -> None:
-    """Check every step's gradients on every rank against the compressed all-reduce done by hand."""
+def _ddp_reference(runs: list[list[dict]], error_feedback: bool, owner_feedback: bool = False) -> None:
+    """Check every step's gradients on every rank against the compressed all-reduce done by hand;
+    ``owner_feedback``: the owners keep the residual of their average's encoding too (the HSDP hooks)."""
     world = len(runs)
     residuals: list[dict[str, torch.Tensor]] = [{} for _ in range(world)]  # per rank, per parameter
+    owner_residuals: dict[str, torch.Tensor] = {}  # (world, chunk): row d owner d's, by the group's first name
     for step in range(len(runs[0])):
         steps = [run[step] for run in runs]
         for b, bucket in enumerate(steps[0]["buckets"]):
@@ -317,7 +350,12 @@ def _ddp_reference(runs: list[list[dict]], error_feedback: bool) -> None:
                 sent.append(decoded)
                 residuals[rank].update(zip(large, residual.reshape(-1)[:n_total].split(sizes), strict=True))
             owned_mean = _ref_sum(sent) / world
-            result = torch.cat([_roundtrip(row) for row in owned_mean])[:n_total]
+            if owner_feedback:  # the owners' residuals of their last encoding of the same group
+                kept = owner_residuals.get(large[0])
+                owned_mean = owned_mean + (kept if kept is not None and kept.shape == owned_mean.shape else 0.0)
+            gathered = torch.stack([_roundtrip(row) for row in owned_mean])
+            owner_residuals[large[0]] = torch.nan_to_num(owned_mean - gathered, nan=0.0, posinf=0.0, neginf=0.0)
+            result = gathered.reshape(-1)[:n_total]
             expected = dict(zip(large, result.split(sizes), strict=True))
             for s in steps:
                 for n in large:
@@ -342,6 +380,16 @@ def test_ddp_error_feedback_and_non_finite(ddp_runs):
     assert not torch.equal(ef[1]["grads"]["0.weight"], plain[1]["grads"]["0.weight"]), "residual unused"
     assert not ef[NAN_STEP]["grads"]["0.weight"].isfinite().all(), "a NaN gradient must stay visible"
     assert all(g.isfinite().all() for g in ef[NAN_STEP + 1]["grads"].values()), "NaN leaked into residual"
+
+
+def test_double_error_feedback_bounds_the_summed_error(results):
+    """With both residuals the averages summed over 300 steps telescope to the exact sum minus the last
+    residuals: within one step's error. With the rows' residual alone the owner's 300 encoding errors add up
+    like a random walk (the behaviour before double error feedback)."""
+    for double, rows_only in zip(results[1]["drift"]["double"], results[1]["drift"]["rows_only"], strict=True):
+        double, rows_only = double[0], rows_only[0]
+        assert double["drift"] <= 2 * double["one_step"], double
+        assert rows_only["drift"] > 5 * rows_only["one_step"], rows_only
 
 
 def test_replicate_all_reduce_matches_one_process_reference(results):
@@ -486,7 +534,7 @@ def test_hsdp_overlapped_hooks_match_one_process_reference(results):
         for key, ef in (("overlap", False), ("overlap_ef", True)):
             records = _hook_calls_as_buckets(runs[key], ranks)
             assert all(len(st["buckets"]) == 2 for st in records[0])  # the two Linears; the root holds none
-            _ddp_reference(records, error_feedback=ef)
+            _ddp_reference(records, error_feedback=ef, owner_feedback=ef)
         bypass = _hook_calls_as_buckets(runs["overlap_bypass"], ranks)
         for module, _ in bypass[0][0]["grads"].items():  # min_numel above every shard: a plain all-reduce
             expected = _exact_mean([r[0]["local"][module] for r in bypass])

@@ -19,11 +19,16 @@ reduction in float32 after decoding, so no low-precision arithmetic happens on t
 * The trainer's wiring (which of these a ``[comm]`` section installs, checkpointed residuals) lives in
   ``torchtitan_ext.parallel.compression``; this package holds the collectives only.
 
-Error feedback (optional): the residual ``input - decode(encode(input))`` of a rank's own encoding is kept
-in float32 and added to the next step's gradient before encoding, so compression error does not
-accumulate as a bias over steps. A non-finite residual entry is reset to zero: the step that produced it
-is skipped by the trainer's guard and must not poison later steps. The residuals are rank-local; the
-checkpoint saves each rank's own (``parallel.compression.GradientCompression.residual_state``).
+Error feedback (optional): the residual ``input - decode(encode(input))`` of a rank's own encoding is kept in
+float32 and added to the next step's gradient before encoding, so compression error does not accumulate as a
+bias over steps. The all-reduces encode twice (each rank's rows, then the owner's average before the
+all-gather); the overlapped HSDP hooks keep a residual for each encoding: the owner's is added to its next average
+of the same chunk (double error feedback, as in DoubleSqueeze), which bounds the summed error of the gathered
+averages over any number of steps by one step's instead of letting it grow like a random walk. The DDP hook
+keeps the rows' residual only (``_AllReduceState`` says why). A non-finite residual entry is reset to zero:
+the step that produced it is skipped by the trainer's guard and must not poison later steps. The residuals are
+rank-local; the checkpoint saves each rank's own
+(``parallel.compression.GradientCompression.residual_state``).
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations against the real types.
@@ -103,6 +108,17 @@ def _decode_rows(encoded: torch.Tensor, c: int) -> torch.Tensor:
     return decode(encoded.reshape(-1), world * padded_c).view(world, padded_c)[:, :c]
 
 
+def _kept(residual: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """``residual`` when it still fits ``like`` (same shape and device), else a fresh zero float32 residual."""
+    if residual is None or residual.shape != like.shape or residual.device != like.device:
+        return torch.zeros_like(like, dtype=torch.float32)
+    return residual
+
+
+def _finite(residual: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isfinite(residual), residual, torch.zeros_like(residual))
+
+
 def _exchange_and_sum(rows: torch.Tensor, group: dist.ProcessGroup, dtype: torch.dtype, stats: CommStats,
                       residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Reduce-scatter of ``rows`` (world, c; float32, bf16 or fp16) in Squinch bytes, row d to rank d: this rank's
@@ -113,8 +129,7 @@ def _exchange_and_sum(rows: torch.Tensor, group: dist.ProcessGroup, dtype: torch
     encoded = _encode_rows(rows)
     new_residual = None
     if residual is not None:  # this step's compression error, non-finite entries reset to zero
-        new_residual = rows - _decode_rows(encoded, rows.shape[1])
-        new_residual = torch.where(torch.isfinite(new_residual), new_residual, torch.zeros_like(new_residual))
+        new_residual = _finite(rows - _decode_rows(encoded, rows.shape[1]))
     received = torch.empty_like(encoded)
     stats.add(encoded, rows.numel(), dtype)
     dist.all_to_all_single(received, encoded, group=group)
@@ -141,7 +156,10 @@ class _AllReduceState:
     min_numel: int
     error_feedback: bool
     stats: CommStats
-    # Keyed by parameter, not bucket: DDP rebuilds its buckets after the first iteration.
+    # Keyed by parameter, not bucket: DDP rebuilds its buckets after the first iteration, and its first
+    # iteration after a resume orders them differently again. So only the rows' residual is kept here: an owner's
+    # residual belongs to chunk positions that such a reordering hands to other ranks (the overlapped HSDP
+    # hooks, whose shards keep one layout, keep both).
     residuals: dict[torch.Tensor, torch.Tensor] = field(default_factory=dict)
     streams: dict[torch.device, torch.cuda.Stream] = field(default_factory=dict)
 
@@ -158,30 +176,42 @@ def _bucket_slices(bucket: dist.GradBucket) -> list[tuple[torch.Tensor, int, int
     return slices
 
 
+def owned_chunk(numel: int, world: int) -> int:
+    """Values per rank's chunk in a compressed all-reduce of ``numel`` values: whole blocks, so every rank
+    owns complete blocks."""
+    return _round_up(_round_up(numel, world) // world, BLOCK)
+
+
 def _compressed_all_reduce(flat: torch.Tensor, group: dist.ProcessGroup, stats: CommStats, dtype: torch.dtype,
-                           residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                           residual: torch.Tensor | None, owner_residual: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Average ``flat`` (float32, or bf16 / fp16 without a residual) over ``group`` in Squinch bytes; returns
-    the float32 average and the new float32 residual.
+    the float32 average and the new float32 residuals of this rank's rows and of its owned average (each
+    ``None`` unless given: ``owner_residual`` has ``owned_chunk(flat.numel(), world)`` values).
 
     Every rank owns one chunk of whole blocks: an all-to-all hands it everyone's encoded copy of that chunk,
     which it decodes, sums in float32 and divides by the world size, re-encodes and all-gathers; every rank
     decodes the same gathered bytes, so all end with bit-identical averages."""
     world = group.size()
     n = flat.numel()
-    # Chunks of whole blocks, so every rank owns complete blocks of the bucket.
-    chunk = _round_up(_round_up(n, world) // world, BLOCK)
+    chunk = owned_chunk(n, world)
     rows = torch.nn.functional.pad(flat, (0, world * chunk - n)).view(world, chunk)
     if residual is not None:
         residual = torch.nn.functional.pad(residual, (0, world * chunk - n)).view(world, chunk)
     owned, residual = _exchange_and_sum(rows, group, dtype, stats, residual)
-    owned_encoded = _encode_rows((owned / world).view(1, chunk))  # average as DDP does
+    average = owned / world  # average as DDP does
+    if owner_residual is not None:
+        average = average + owner_residual
+    owned_encoded = _encode_rows(average.view(1, chunk))
+    if owner_residual is not None:  # this step's error of the owner's encoding, non-finite entries reset
+        owner_residual = _finite(average - _decode_rows(owned_encoded, chunk).view(-1))
     gathered = torch.empty((world, owned_encoded.shape[1]), dtype=torch.uint8, device=flat.device)
     stats.add(owned_encoded, chunk, dtype)
     # ``all_gather_single`` replaces the deprecated ``all_gather_into_tensor`` from torch 2.13 on.
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     all_gather(gathered, owned_encoded, group=group)
     result = _decode_rows(gathered, chunk).reshape(-1)[:n]
-    return result, None if residual is None else residual.reshape(-1)[:n]
+    return result, None if residual is None else residual.reshape(-1)[:n], owner_residual
 
 
 def _average(grads: list[tuple[torch.Tensor, torch.Tensor]], state: _AllReduceState) -> list[torch.Tensor]:
@@ -206,7 +236,7 @@ def _average(grads: list[tuple[torch.Tensor, torch.Tensor]], state: _AllReduceSt
         if state.error_feedback:
             residual = torch.cat([state.residuals.get(grads[i][0], flat.new_zeros(n))
                                   for i, n in zip(large, sizes, strict=True)])
-        reduced, residual = _compressed_all_reduce(flat, state.group, state.stats, dtype, residual)
+        reduced, residual, _ = _compressed_all_reduce(flat, state.group, state.stats, dtype, residual)
         out.update(zip(large, reduced.split(sizes), strict=True))
         if residual is not None:
             for i, part in zip(large, residual.split(sizes), strict=True):
@@ -248,13 +278,6 @@ class SquinchReplicateAllReduce:
             grad.copy_(averaged.view_as(grad))
 
 
-def _error_feedback_residual(residual: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    """``residual`` when it still fits ``like`` (same shape and device), else a fresh zero residual."""
-    if residual is None or residual.shape != like.shape or residual.device != like.device:
-        return torch.zeros_like(like, dtype=torch.float32)
-    return residual
-
-
 @dataclass(eq=False)
 class SquinchReplicateHook:
     """HSDP's replicate all-reduce in Squinch bytes, overlapped with the backward pass: an FSDP2 all-reduce hook
@@ -264,8 +287,9 @@ class SquinchReplicateHook:
     that module's reduce-scatter is done, while autograd goes on with the earlier modules' backward; the hook
     averages the shard over ``group`` (the replicas) in place, before FSDP casts it and hands it to the
     parameters. A shard under ``min_numel`` goes through a plain all-reduce. One instance per FSDP module, so
-    the error-feedback residual (one float32 copy of this rank's shard) is kept per module and restarts from
-    zero when the shard's layout changes (a parameter got no gradient this step).
+    the error-feedback residuals (one float32 copy of this rank's shard, and one of the chunk it owns in the
+    all-reduce) are kept per module and restart from zero when the shard's layout changes (a parameter got
+    no gradient this step).
     """
 
     group: dist.ProcessGroup
@@ -273,6 +297,7 @@ class SquinchReplicateHook:
     error_feedback: bool
     stats: CommStats
     residual: torch.Tensor | None = None
+    owner_residual: torch.Tensor | None = None
 
     @torch.no_grad()
     def __call__(self, reduce_output: torch.Tensor) -> None:
@@ -285,9 +310,12 @@ class SquinchReplicateHook:
             reduce_output.div_(world)
             return
         flat = reduce_output.reshape(-1)  # bf16 stays bf16 until the encoder widens it (exactly)
-        residual = _error_feedback_residual(self.residual, flat) if self.error_feedback else None
-        averaged, self.residual = _compressed_all_reduce(flat, self.group, self.stats, reduce_output.dtype,
-                                                         residual)
+        residual = owner_residual = None
+        if self.error_feedback:
+            residual = _kept(self.residual, flat)
+            owner_residual = _kept(self.owner_residual, flat.new_empty(owned_chunk(flat.numel(), world)))
+        averaged, self.residual, self.owner_residual = _compressed_all_reduce(
+            flat, self.group, self.stats, reduce_output.dtype, residual, owner_residual)
         reduce_output.copy_(averaged.view_as(reduce_output))
 
 
@@ -376,7 +404,7 @@ class SquinchReduceScatter(_ReduceScatterBase):
         world = group.size()
         # Encoded as it comes (bf16 too: the encoder widens exactly), no float32 copy of the whole gradient.
         rows = input_tensor.view(world, -1)
-        residual = _error_feedback_residual(self.residual, rows) if self.error_feedback else None
+        residual = _kept(self.residual, rows) if self.error_feedback else None
         total, self.residual = _exchange_and_sum(rows, group, input_tensor.dtype, self.stats, residual)
         output_tensor.copy_(_apply_reduce_op(total, op, world).view_as(output_tensor))
         return None

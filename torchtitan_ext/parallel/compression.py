@@ -39,6 +39,11 @@ logger = logging.getLogger(__name__)
 
 # A residual is one rank's float32 tensor; these hold the compressors that keep one (per module).
 _PerModule = SquinchReduceScatter | SquinchReplicateHook
+OWNER = ":owner"  # the name suffix of an all-reduce's second (owner's) residual
+
+
+def _cpu(residual: torch.Tensor) -> torch.Tensor:
+    return residual.detach().to("cpu", copy=True)
 
 
 @dataclass
@@ -52,7 +57,8 @@ class GradientCompression:
     through a checkpoint. Names: ``ddp/<param FQN>`` and, post-backward, ``replicate/<param FQN>`` (the
     all-reduce residuals, one per parameter), ``fsdp/<FSDP module FQN>`` (one per reduce-scatter) and
     ``replicate/<FSDP module FQN>`` (one per overlapped replicate hook; the root module is ``replicate/``),
-    each after ``part<i>/`` when there are several model parts (pipeline stages). The residuals are only
+    each after ``part<i>/`` when there are several model parts (pipeline stages); a replicate hook's owner
+    residual (its second encoding's) under the hook's name + ``OWNER``. The residuals are only
     meaningful under the same parallel layout: the caller checks that before loading.
     """
 
@@ -65,10 +71,12 @@ class GradientCompression:
         """This rank's error-feedback residuals by name, copied to the CPU (empty before the first step)."""
         out = {}
         for prefix, state, names in self.all_reduces:
-            out.update({prefix + names[param]: r.detach().to("cpu", copy=True) for param, r in state.residuals.items()})
+            out.update({prefix + names[param]: _cpu(r) for param, r in state.residuals.items()})
         for name, (compressor, _) in self.per_module.items():
             if compressor.residual is not None:
-                out[name] = compressor.residual.detach().to("cpu", copy=True)
+                out[name] = _cpu(compressor.residual)
+            if isinstance(compressor, SquinchReplicateHook) and compressor.owner_residual is not None:
+                out[name + OWNER] = _cpu(compressor.owner_residual)
         return out
 
     def load_residual_state(self, residuals: dict[str, torch.Tensor]) -> None:
@@ -89,6 +97,10 @@ class GradientCompression:
             known.add(name)
             r = residuals.get(name)
             compressor.residual = None if r is None else r.to(device=device, dtype=torch.float32)
+            if isinstance(compressor, SquinchReplicateHook):
+                known.add(name + OWNER)
+                r = residuals.get(name + OWNER)
+                compressor.owner_residual = None if r is None else r.to(device=device, dtype=torch.float32)
         if unknown := sorted(set(residuals) - known):
             raise ValueError(f"error-feedback residuals of unknown tensors: {unknown[:5]}")
 
