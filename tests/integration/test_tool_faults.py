@@ -11,14 +11,18 @@ import re
 import shutil
 import signal
 
+import numpy as np
 from trainer_utils import file_checksums
 
 from torchtitan_ext.cli import run_tool
-from torchtitan_ext.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USER
+from torchtitan_ext.data.shards import write_shard
+from torchtitan_ext.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USER, ConfigError
 from torchtitan_ext.hf import export as hf_export
 from torchtitan_ext.tools import eval as eval_tool
 from torchtitan_ext.tools import export as export_tool
 from torchtitan_ext.tools import generate as generate_tool
+from torchtitan_ext.tools import quant_export as quant_export_tool
+from torchtitan_ext.tools import teacher as teacher_tool
 
 
 def _eval(capsys, config) -> tuple[int, dict | None, list[str]]:
@@ -118,3 +122,42 @@ def test_export_ctrl_c_stops_with_130_and_leaves_nothing(checkpointed_run, tmp_p
     code, _ = _export(capsys, checkpointed_run, tmp_path / "hf")
     assert code == EXIT_OK and len(list((tmp_path / "hf").glob("*.safetensors"))) == 8
     assert file_checksums(checkpointed_run) == kept
+
+
+def _copy_without_step_4(original, where):
+    """A copy of the shared run whose latest checkpoint is step-2 (the original's is step-4)."""
+    shutil.copytree(original, where, ignore=shutil.ignore_patterns(".lock"))
+    shutil.rmtree(where / "checkpoint" / "step-4")
+    return where
+
+
+def test_teacher_reads_a_copied_dump_where_its_config_is(checkpointed_run, tmp_path, capsys):
+    """distill.teacher --config COPY/config.toml read the original's checkpoint (and saved its tokenizer copy into
+    the original's folder); now the copy's, said on stderr as eval says it. The sidecars cover a 2,000-token shard."""
+    kept = file_checksums(checkpointed_run)
+    copy = _copy_without_step_4(checkpointed_run, tmp_path / "copy")
+    (tmp_path / "data").mkdir()
+    write_shard(tmp_path / "data" / "train_0.bin", np.arange(2000, dtype=np.int64) % 200)
+    code = run_tool(teacher_tool._main, ["--config", str(copy / "config.toml"), "--output", str(tmp_path / "side"),
+                                         "--k", "4", "--data.dataset", "shards",
+                                         "--data.train_path", str(tmp_path / "data")])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("teacher:")]
+    assert code == EXIT_OK and err == [f"teacher: read checkpoint {copy / 'checkpoint' / 'step-2'} (the config "
+                                       f"file's folder; its job.dump_folder = '{checkpointed_run}' is another folder)"]
+    assert (tmp_path / "side" / "train_0.bin.topk").is_file()
+    assert file_checksums(checkpointed_run) == kept
+
+
+def test_quant_export_says_which_checkpoint_of_a_copy_it_read(checkpointed_run, tmp_path, capsys, monkeypatch):
+    """quant.export --checkpoint COPY: the copy's checkpoint, said on stderr with the recorded folder (the
+    validation pass is left out here: sizes only)."""
+    def no_validation(cfg):
+        raise ConfigError("no validation split")
+
+    monkeypatch.setattr(quant_export_tool, "validation_streams", no_validation)
+    copy = _copy_without_step_4(checkpointed_run, tmp_path / "copy")
+    code = run_tool(quant_export_tool._main, ["--checkpoint", str(copy)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == EXIT_OK and err == [f"quant.export: read checkpoint {copy / 'checkpoint' / 'step-2'} (the config "
+                                       f"file's folder; its job.dump_folder = '{checkpointed_run}' is another folder)"]
+    assert (copy / "export-int8.pt").is_file() and not (checkpointed_run / "export-int8.pt").exists()

@@ -7,6 +7,7 @@ with their global shapes, so a checkpoint saved under any layout loads into the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -44,13 +45,16 @@ def find_checkpoint(path: str | Path, cfg: JobConfig | None = None) -> tuple[Pat
     return dump, folder / f"step-{want if want >= 0 else steps[-1]}"
 
 
-def config_dump_folder(config: str | Path | None, cfg: JobConfig) -> tuple[Path, str | None]:
-    """(dump folder, note or None) of a job read from ``--config config``: a run's own ``config.toml`` (a file
-    beside ``config.toml`` and ``<checkpoint.folder>/``) is evaluated where it is, with a note when its recorded
-    ``job.dump_folder`` (relative to where the job ran) is another folder: a copied or moved dump folder, or a
-    command run from elsewhere. Any other config names the folder with ``job.dump_folder``."""
+def config_dump_folder(config: str | Path | None, cfg: JobConfig,
+                       overrides: Sequence[str] = ()) -> tuple[Path, str | None]:
+    """(dump folder, note or None) of a job read from ``--config config`` (the tools that read a trained run:
+    eval, distill.teacher, quant.export): a run's own ``config.toml`` (a file beside ``config.toml`` and
+    ``<checkpoint.folder>/``) is read where it is, with a note when its recorded ``job.dump_folder`` (relative to
+    where the job ran) is another folder: a copied or moved dump folder, or a command run from elsewhere. Any
+    other config, or a ``--job.dump_folder`` among the command line's ``overrides``, names the folder with
+    ``job.dump_folder``."""
     recorded = Path(cfg.job.dump_folder).expanduser()
-    if config is None:
+    if config is None or any(a == "--job.dump_folder" or a.startswith("--job.dump_folder=") for a in overrides):
         return recorded, None
     here = Path(config).expanduser().parent
     if not ((here / "config.toml").is_file() and (here / cfg.checkpoint.folder).is_dir()):

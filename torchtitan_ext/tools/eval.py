@@ -38,8 +38,7 @@ def _main(argv: list[str]) -> int:
     ns, rest = parser().parse_known_args(argv)
     cfg = parse_args(cli.job_argv(ns, rest))
     device = "cuda" if cfg.job.device != "cpu" and torch.cuda.is_available() else "cpu"
-    overridden = any(a == "--job.dump_folder" or a.startswith("--job.dump_folder=") for a in rest)
-    dump, note = config_dump_folder(None if overridden else ns.config, cfg)
+    dump, note = config_dump_folder(ns.config, cfg, rest)
     try:
         model, tok, _, ckpt = load_trained(dump, device, cfg=cfg)
     except ConfigError as e:

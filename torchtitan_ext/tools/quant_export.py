@@ -2,19 +2,22 @@
 
 Loads a job's latest checkpoint (its ``config.toml`` and ``checkpoint/``, saved under any layout) in one
 process, takes the EMA weights when the job kept an EMA, quantises them (``quant/export``) and reports the
-file's size against bf16 and the validation loss of the dequantised model against the original's.
+file's size against bf16 and the validation loss of the dequantised model against the original's. A copied or
+moved dump folder is read where it is (its recorded ``job.dump_folder`` is said when it is another folder);
+the checkpoint read is said on stderr.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 import torch
 
 from torchtitan_ext import cli
 from torchtitan_ext.errors import ConfigError
-from torchtitan_ext.eval.load import load_ema, load_trained
+from torchtitan_ext.eval.load import config_dump_folder, load_ema, load_trained
 from torchtitan_ext.eval.validation import evaluate_model, validation_streams
 from torchtitan_ext.quant.export import dequantize, export
 
@@ -35,6 +38,8 @@ def _main(argv: list[str]) -> int:
     if not (folder / "config.toml").is_file():
         raise ConfigError(f"--checkpoint {folder}: no config.toml (expected a job's dump folder)")
     model, tokenizer, cfg, checkpoint = load_trained(folder)
+    note = config_dump_folder(folder / "config.toml", cfg)[1]  # a copied or moved folder: said, as eval says it
+    print(f"quant.export: read checkpoint {checkpoint}{f' ({note})' if note else ''}", file=sys.stderr, flush=True)
     try:
         streams = validation_streams(cfg)
     except ConfigError:  # no validation split: the sizes alone are reported

@@ -4,6 +4,10 @@ Loads the teacher's latest checkpoint from its job config (``job.dump_folder``; 
 layout: run it under ``torchrun`` with the parallelism the teacher needs) and writes the sidecars
 (``distill/teacher``). Other ``--section.key value`` arguments override the config; ``--batch N`` sets the
 windows per rank per forward.
+
+A run's own ``config.toml`` (``--config DUMP/config.toml``) reads the run in that file's folder, also when the
+folder was copied or moved, as eval does; ``--job.dump_folder`` names one explicitly. The checkpoint read is
+said on stderr.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from torchtitan_ext.config.loader import parse_args
 from torchtitan_ext.data.packers.concat import TokenDataLoader
 from torchtitan_ext.distill.teacher import write_sidecars
 from torchtitan_ext.errors import ConfigError
+from torchtitan_ext.eval.load import config_dump_folder
 from torchtitan_ext.train.build import build_data, build_model, build_runtime, forward_context
 
 log = logging.getLogger("torchtitan_ext.distill.teacher")
@@ -45,6 +50,8 @@ def _main(argv: list[str]) -> int:
     ns, rest = parser().parse_known_args(argv)
     k = ns.k
     cfg = parse_args(cli.job_argv(ns, rest))
+    dump, note = config_dump_folder(ns.config, cfg, rest)  # a copied dump folder: the copy, not the original
+    cfg.job.dump_folder = str(dump)
     cfg.checkpoint.enabled, cfg.distill.path, cfg.ema.decay, cfg.eval.use_ema = True, "", 0.0, False
     if ns.batch is not None:
         cfg.training.local_batch_size = ns.batch
@@ -58,8 +65,11 @@ def _main(argv: list[str]) -> int:
     model = build_model(cfg, runtime, args)
     checkpoint = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, {"model": ModelParts(model.parts)},
                                    log=log.info)
-    if checkpoint.load() == 0:
+    if (step := checkpoint.load()) == 0:
         raise ConfigError(f"no teacher checkpoint in {checkpoint.folder}")
+    if runtime.rank == 0:
+        print(f"teacher: read checkpoint {checkpoint.folder / f'step-{step}'}{f' ({note})' if note else ''}",
+              file=sys.stderr, flush=True)
     loader = data.loader
     figures = write_sidecars(model.parts[0], loader.shards, loader.tokens, loader.seq_len, loader.local_batch_size,
                              dims.dp_rank, dims.dp, args.vocab_size, k, Path(ns.output), cfg.job.seed, runtime.device,
