@@ -240,4 +240,15 @@ def complete(checkpoint: str | Path, prompts: list[str], max_new_tokens: int = 6
     new = generate(model, ids, max_new_tokens, temperature, top_p, seed, stop_id=getattr(tok, "eot_id", None),
                    compile=compiled)
     elapsed = time.perf_counter() - start
-    return Completions(ckpt, [tok.decode(row) for row in new], compiled, sum(map(len, new)) / elapsed)
+    texts = [completion_text(tok, row, getattr(tok, "eot_id", None)) for row in new]
+    return Completions(ckpt, texts, compiled, sum(map(len, new)) / elapsed)
+
+
+def completion_text(tok, row: list[int], stop_id: int | None) -> str:
+    """The text of one row of :func:`generate`. A row that the model ended (its last token ``stop_id``) stops
+    cleanly there: the end-of-text token is not decoded (SentencePiece and Hugging Face tokenizers write it as a
+    literal ``<|endoftext|>``) and the whitespace before it is dropped (a document ends with newlines, which
+    printed as blank lines). A row cut by ``max_new_tokens`` is decoded as it is."""
+    if stop_id is None or not row or row[-1] != stop_id:
+        return tok.decode(row)
+    return tok.decode(row[:-1]).rstrip()
