@@ -101,6 +101,15 @@ class MetricsLogger:
         fields = [fmt.format(values[key]) for key, fmt in CONSOLE_FIELDS.items() if key in values]
         log.info("  ".join([f"step {step:>6}", *fields, *self._timing(step)]))
 
+    def console(self, step: int, values: dict[str, float], note: str = "") -> None:
+        """A console line alone (rank 0), written nowhere else and leaving the ETA's window as it is: the first
+        step of a run whose ``metrics.log_freq`` would keep it silent for a while."""
+        if self.rank != 0:
+            return
+        fields = [fmt.format(values[key]) for key, fmt in CONSOLE_FIELDS.items() if key in values]
+        log.info("  ".join([f"step {step:>6}", *fields, f"elapsed {hms(time.monotonic() - self.start)}",
+                            *([note] if note else [])]))
+
     def _timing(self, step: int) -> list[str]:
         """``elapsed H:MM:SS`` and, with a step total, ``eta H:MM:SS`` at the rate of the last ETA_WINDOW
         logged steps (the first line: since the start)."""

@@ -458,11 +458,15 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         unread: QueuedStep | None = None
+        first_step = self.step + 1
         while self.step < t.steps:
             self.step += 1
             self.profiling.step(self.step)
             log_now = self.step % cfg.metrics.log_freq == 0 or self.step == t.steps
             eval_now = cfg.eval.interval > 0 and self.step % cfg.eval.interval == 0  # whatever log_freq is
+            # the first step of this start is said on the console whatever log_freq is: a new run is not silent
+            # for log_freq steps (torchtitan logs step 1 too); metrics.jsonl keeps the log_freq cadence
+            first_line = self.step == first_step and not (log_now or eval_now)
             self.attn.record_lse(log_now)
             queued = self.queue_step()
             window_steps += 1
@@ -472,10 +476,14 @@ class Trainer:
                 unread = None
             preempted = self.preemption.requested()
             save_now = self.checkpointer.should_save(self.step, t.steps)
-            if not (log_now or eval_now or preempted or save_now):
+            if not (log_now or eval_now or preempted or save_now or first_line):
                 unread = queued
                 continue
             loss, grad_norm, lr = self.settle(queued)
+            if first_line:
+                following = min(t.steps, (self.step // cfg.metrics.log_freq + 1) * cfg.metrics.log_freq)
+                self.metrics.console(self.step, {"loss": loss, "grad_norm": grad_norm, "lr": lr},
+                                     f"(the next line at step {following}: metrics.log_freq = {cfg.metrics.log_freq})")
             if log_now or eval_now:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize()
