@@ -24,6 +24,7 @@ import copy
 import dataclasses
 import logging
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -114,7 +115,10 @@ def run_coord_check(cfg: JobConfig, widths: list[int], steps: int) -> CoordCheck
     probe, *batches = [loader.next_batch() for _ in range(steps + 1)]
     device = runtime.device
     result = CoordCheck(base.parametrization, base.mup_base_dim or base.dim, list(widths), [], {})
-    for width, args in variants.items():
+    start = time.monotonic()
+    for i, (width, args) in enumerate(variants.items(), 1):
+        # progress: a width takes minutes on a CPU, and the widest the longest
+        log.info(f"width {width} ({i}/{len(widths)}): {steps} steps, elapsed {time.monotonic() - start:.0f} s")
         # Each width is a new model shape: compiled code of the last one (FlexAttention, which the attention
         # Z-reg runs on CUDA) would only count towards dynamo's recompile limit, past which it runs eagerly.
         torch._dynamo.reset()
@@ -131,6 +135,8 @@ def run_coord_check(cfg: JobConfig, widths: list[int], steps: int) -> CoordCheck
             params = list(model.parameters())
             optimizers.step(params, grad_norm(params), max_norm=0.0)
             result.rms[width].append(measure(model, probe.inputs.to(device)))
+            log.info(f"  width {width}: step {len(result.rms[width]) - 1}/{steps}, loss {loss.item():.4f}, "
+                     f"elapsed {time.monotonic() - start:.0f} s")
         log.info(f"width {width}: loss {loss.item():.4f} at step {steps}; logits RMS "
                  f"{result.rms[width][-1]['logits']:.4g}")
     result.names = list(result.rms[widths[0]][0])
@@ -153,13 +159,21 @@ def format_table(result: CoordCheck) -> str:
     return "\n".join(lines)
 
 
+def check_plotting() -> None:
+    """UserError naming the extra when matplotlib is missing: asked before the check runs, not minutes later."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UserError(f"the coordinate-check plot needs matplotlib: {INSTALL_HINT} (or --plot '' for the "
+                        "table alone)") from None
+
+
 def plot(result: CoordCheck, path: str | Path) -> None:
     """PNG: one panel per layer, its RMS against the width (log-log), one line per step."""
-    try:
-        from matplotlib import colormaps
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise UserError(f"the coordinate-check plot needs matplotlib: {INSTALL_HINT}") from None
+    check_plotting()
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure
+
     cols = min(4, len(result.names))
     rows = -(-len(result.names) // cols)
     fig = Figure(figsize=(3.2 * cols, 2.6 * rows), layout="constrained")

@@ -5,7 +5,9 @@ each layer's output and of the logits after each step, then plot them (PNG):
 
 Under model.parametrization = "mup" the RMS stays about the same across widths; under "standard" it grows
 with width (compare with --model.parametrization standard). One process on the job's device; the widths must
-be multiples of the model's head_dim. The plot needs matplotlib (pip install 'torchtitan_ext[scaling]').
+be multiples of the model's head_dim. Each width and step is one progress line (a width takes minutes on a
+CPU). The plot needs matplotlib (pip install -e '.[scaling]'), asked for before anything runs; --plot ''
+prints the table alone.
 """
 
 from __future__ import annotations
@@ -34,20 +36,24 @@ def parser() -> cli.ArgumentParser:
     p.add_argument("--steps", action=cli.OptionValue, metavar="N", type=int, default=5,
                    help="optimizer steps at each width (default 5)")
     p.add_argument("--plot", action=cli.OptionValue, metavar="PNG", default="coord_check.png",
-                   help="where to write the plot (default coord_check.png)")
+                   help="where to write the plot (default coord_check.png; '': none)")
     return p
 
 
 def _main(argv: list[str]) -> int:
-    from torchtitan_ext.mup import format_table, plot, run_coord_check
+    from torchtitan_ext.mup import check_plotting, format_table, plot, run_coord_check
 
     ns, rest = parser().parse_known_args(argv)
     if ns.steps < 1:
         raise UserError(f"--steps {ns.steps}: expected >= 1")
-    result = run_coord_check(parse_args(cli.job_argv(ns, rest)), _widths(ns.widths), ns.steps)
+    widths = _widths(ns.widths)
+    if ns.plot:
+        check_plotting()  # a missing extra is said now, not after minutes of training
+    result = run_coord_check(parse_args(cli.job_argv(ns, rest)), widths, ns.steps)
     print(format_table(result))
-    plot(result, ns.plot)
-    print(f"plot: {ns.plot}")
+    if ns.plot:
+        plot(result, ns.plot)
+        print(f"plot: {ns.plot}")
     return 0
 
 

@@ -1,6 +1,6 @@
 """Scaling laws of this trainer's runs:
 
-    python -m torchtitan_ext.scaling fit (--input runs.csv | --runs DUMP ...) [--flops C] [--predict N,D]
+    python -m torchtitan_ext.scaling fit (--input OUT/runs.csv | --runs DUMP ...) [--flops C] [--predict N,D]
                                          [--plot PNG]
     python -m torchtitan_ext.scaling sweep --config FILE --widths DIM ... --tokens D ... [--out DIR] [--nproc N]
                                            [--parallel N] [--fit] [--dry-run] [-- --section.key value ...]
@@ -8,8 +8,9 @@
 fit: L(N, D) = E + A / N^alpha + B / D^beta (Hoffmann et al. 2022), a Huber loss on log residuals minimised from
 a grid of starting points; prints E, A, alpha, B, beta as JSON, with --flops the compute-optimal N and D of
 C = 6 N D FLOPs, with --predict the loss of one (N, D). N counts non-embedding parameters per token (MoDE:
-k experts; no embedding or output head), D training tokens. --input: a CSV with columns params, tokens, loss;
---runs: dump folders of finished runs (config.toml, and the last val_loss of metrics.jsonl).
+k experts; no embedding or output head), D training tokens. --input: a CSV with columns params, tokens, loss,
+such as the OUT/runs.csv a sweep writes (fit --input outputs/scaling/runs.csv after sweep --out
+outputs/scaling); --runs: dump folders of finished runs (config.toml, and the last val_loss of metrics.jsonl).
 
 sweep: one training run per width (model.dim, with heads of the config's head_dim and FFNs of its ratio) and
 token budget (training.steps of the config's global batch), one after another, dumped in OUT/w{dim}_t{tokens};

@@ -1,9 +1,13 @@
-"""``python -m torchtitan_ext.distill.teacher --config teacher.toml --output DIR --k 32 [--batch N]``.
+"""The teacher pass of offline distillation: a trained teacher's top-k logits as sidecars of its training shards:
 
-Loads the teacher's latest checkpoint from its job config (``job.dump_folder``; any data-parallel or TP
-layout: run it under ``torchrun`` with the parallelism the teacher needs) and writes the sidecars
-(``distill/teacher``). Other ``--section.key value`` arguments override the config; ``--batch N`` sets the
-windows per rank per forward.
+    python -m torchtitan_ext.distill.teacher --config outputs/debug/config.toml --output outputs/sidecars --k 32
+        [--batch N]
+
+``--config``: the teacher's job config, usually its dump folder's ``config.toml`` (here the default job's run);
+a student then trains with ``--distill.path outputs/sidecars``. The teacher's latest checkpoint is loaded from
+its dump folder (any data-parallel or TP layout: run it under ``torchrun`` with the parallelism the teacher
+needs) and the sidecars are written (``distill/teacher``). Other ``--section.key value`` arguments override the
+config; ``--batch N`` sets the windows per rank per forward.
 
 A run's own ``config.toml`` (``--config DUMP/config.toml``) reads the run in that file's folder, also when the
 folder was copied or moved, as eval does; ``--job.dump_folder`` names one explicitly. The checkpoint read is
