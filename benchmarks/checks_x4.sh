@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The correctness checks of a stop on one 4-GPU machine, side by side (none of them is timed, so they share
+# the GPUs): the multigpu test tier, Squinch's 300-step loss on the two-node bed (bf16 reduce vs Squinch),
+# the multi-node faults on the bed (benchmarks/two_nodes_faults.py) and the compiled float8 experts probe
+# on GPU 3. Speeds printed by the bed runs here are not measurements (the GPUs are shared).
+#
+# Usage (repository root, torchao importable for the float8 tests):  bash benchmarks/checks_x4.sh OUT_DIR
+#   env: DEADLINE_S (560): every part is stopped by then; PARTS (all: "suite squinch faults probe")
+set -uo pipefail
+OUT=${1:?usage: checks_x4.sh OUT_DIR}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0
+DEADLINE=${DEADLINE_S:-560}
+PARTS=${PARTS:-suite squinch faults probe}
+W=$(mktemp -d /tmp/checks_x4.XXXXXX)
+pids=()
+for part in $PARTS; do
+    case $part in
+        suite) MULTIGPU_REPORT=$OUT/multigpu.jsonl timeout "$DEADLINE" launch/test.sh -m multigpu -q -rA \
+                   --durations=15 --junitxml="$OUT/junit.xml" > "$OUT/suite.log" 2>&1 & ;;
+        squinch) STEPS=300 LIMIT=$(( DEADLINE / 2 - 10 )) RUNS="nodes2_bf16 nodes2_squinch" timeout "$DEADLINE" \
+                   bash benchmarks/bench_squinch_hsdp.sh "$W/squinch" > "$OUT/squinch.log" 2>&1 & ;;
+        faults) timeout "$DEADLINE" python3 benchmarks/two_nodes_faults.py "$W/faults" > "$OUT/faults.log" 2>&1 & ;;
+        probe) CUDA_VISIBLE_DEVICES=3 timeout "$DEADLINE" python3 benchmarks/probe_float8_experts_compile.py \
+                   > "$OUT/probe.log" 2>&1 & ;;
+        *) echo "checks_x4: unknown part '$part' (expected suite, squinch, faults, probe)" >&2; exit 2 ;;
+    esac
+    pids+=("$!")
+done
+for pid in "${pids[@]}"; do wait "$pid"; done
+# The per-step losses of the bed runs, small enough to bring back.
+find "$W" -name metrics.jsonl | tar czf "$OUT/metrics.tgz" -T - 2>/dev/null
+echo "checks_x4: done after $SECONDS s; $(ls "$OUT")"
