@@ -33,6 +33,9 @@ SHRINK = ("--data.tokenizer", "byte", "--data.cache_dir", str(TEST_CACHE), "--tr
 CI = {
     "launch/train.sh": SHRINK,
     "python -m torchtitan_ext.eval --config outputs/debug/config.toml": (),
+    "python -m torchtitan_ext.train --config train_configs/sft_debug.toml":  # from outputs/debug, so its tokens
+        ("--data.tokenizer", "byte", "--data.cache_dir", str(TEST_CACHE), "--training.steps", "2",
+         "--metrics.log_freq", "1"),
     "python -m torchtitan_ext.train --help": (),
     "python -m torchtitan_ext.export --checkpoint outputs/debug --output hf/debug": (),
 }
@@ -135,6 +138,9 @@ def test_ci_commands_run_as_written(ran):
                            .stdout.strip().splitlines()[-1])
     assert math.isfinite(evaluated["val_loss"]) and evaluated["checkpoint"].endswith("step-2")
     assert "--training.steps" in results["python -m torchtitan_ext.train --help"].stdout
+    sft = results["python -m torchtitan_ext.train --config train_configs/sft_debug.toml"].stdout
+    assert "initial weights from outputs/debug/checkpoint/step-2" in sft and "chat data: 54 conversations" in sft
+    assert (folder / "outputs" / "sft_debug" / "metrics.jsonl").is_file()
     weights = folder / "hf" / "debug" / "model.safetensors"
     mask = os.umask(0o022)
     os.umask(mask)
