@@ -66,10 +66,15 @@ ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble")
 
 
 def check_schedule(schedule: str, virtual: int, microbatches: int, pp: int, local_batch: int,
-                   op_level_sac: bool = False) -> None:
+                   op_level_sac: bool = False, compiled: bool = False) -> None:
     """ConfigError (one line) for a schedule the job cannot run. ``op_level_sac``: the blocks use op-level
     selective activation checkpointing, whose saved values serve one backward pass only, while the zero-bubble
-    schedules run each stage's backward in two (input gradients, then weight gradients)."""
+    schedules run each stage's backward in two (input gradients, then weight gradients). ``compiled``: the
+    blocks are compiled (training.compile), which torch's zero-bubble schedules refuse for the same split."""
+    if schedule in ZERO_BUBBLE and compiled:
+        raise ConfigError(f"parallelism.pp_schedule = {schedule!r} splits each stage's backward into input and "
+                          f"weight gradients, which torch does not support for compiled blocks; set "
+                          f"training.compile = false or use 1F1B / Interleaved1F1B")
     if schedule in ZERO_BUBBLE and op_level_sac:
         raise ConfigError(f"parallelism.pp_schedule = {schedule!r} runs each stage's backward in two passes, which "
                           f"op-level selective activation checkpointing (activation_checkpoint.mode = 'selective', "

@@ -152,7 +152,8 @@ def check_trainer_layout(cfg: JobConfig, args: ModelArgs, dims: ParallelDims) ->
     if dims.pp > 1:
         p, ac = cfg.parallelism, cfg.activation_checkpoint
         check_schedule(p.pp_schedule, p.pp_virtual_stages, pp_microbatches(cfg, dims), dims.pp,
-                       cfg.training.local_batch_size, op_level_sac=ac.mode == "selective" and ac.selective_every == 0)
+                       cfg.training.local_batch_size, op_level_sac=ac.mode == "selective" and ac.selective_every == 0,
+                       compiled=cfg.training.compile)
         layer_ranges(args.n_layers, dims.pp * p.pp_virtual_stages, p.pp_split_points)
         if args.kv_share != "none":
             check_kv_share_split(args.n_layers, dims.pp * p.pp_virtual_stages, p.pp_split_points,

@@ -215,7 +215,8 @@ def build_model(cfg: JobConfig, runtime: Runtime, args: ModelArgs) -> BuiltModel
         p = cfg.parallelism
         ac = cfg.activation_checkpoint
         check_schedule(p.pp_schedule, p.pp_virtual_stages, pp_microbatches(cfg, dims), dims.pp,
-                       cfg.training.local_batch_size, op_level_sac=ac.mode == "selective" and ac.selective_every == 0)
+                       cfg.training.local_batch_size, op_level_sac=ac.mode == "selective" and ac.selective_every == 0,
+                       compiled=cfg.training.compile)
         stages = split_stages(model, dims.submesh("pp").get_local_rank(), dims.pp, p.pp_virtual_stages,
                               p.pp_schedule, p.pp_split_points)
         parts = [m for _, m in stages]
