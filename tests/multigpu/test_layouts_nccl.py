@@ -1,6 +1,7 @@
 """Every layout on real GPUs (NCCL), against one GPU: FSDP, HSDP, TP, PP with each schedule, TP x PP,
-FSDP x TP (x PP), compiled (the zero-bubble schedules eager), float32, 20 steps; float8 with float8 all-gather; a DCP checkpoint saved at 4 GPUs
-resumed at 2 and 1; one rank killed, torchrun restarts the job, which resumes with the same losses.
+FSDP x TP (x PP), compiled (the zero-bubble schedules eager), float32, 20 steps; float8 with float8
+all-gather; a DCP checkpoint saved at 4 GPUs resumed at 2 and 1; one rank killed, torchrun restarts the job,
+which resumes with the same losses.
 
 All the module's jobs start together in one pool (nccl_utils.JobPool: several small jobs share each GPU),
 only those the selected tests need; the tests then compare what the jobs logged. Expected: three to four
