@@ -124,7 +124,7 @@ def main() -> int:
                       if "resumed from " in line] for name in ("a", "b")}
     row = {"scenario": "killed", "exit": bed.returncode, "killed_pid": victim, "seconds": round(time.time() - t0),
            "resumed_from": resumed, **_compare(_losses(out / "killed"), ref, range(1, STEPS + 1), SAME_LAYOUT_RTOL)}
-    row["ok"] = row["ok"] and bed.returncode == 0 and all(resumed.values())
+    row["ok"] = row["ok"] and bed.returncode == 0 and any(resumed.values())  # rank 0 (agent a) says it
     report(row)
 
     t0 = time.time()
