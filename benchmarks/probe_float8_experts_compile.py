@@ -48,7 +48,9 @@ def main() -> None:
         sys.exit(_child(sys.argv[2], sys.argv[3:]))
     for variant in sys.argv[1:] or VARIANTS:
         dump = Path(tempfile.mkdtemp(prefix=f"f8probe_{variant}_"))
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+        # The repository first, then whatever made torchao importable (a --target install on the lent machines).
+        env = {**os.environ, "PYTHONUNBUFFERED": "1",
+               "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
         if variant == "launch_blocking":
             env["CUDA_LAUNCH_BLOCKING"] = "1"
         compiled = ["--training.compile", "false" if variant == "eager" else "true"]
