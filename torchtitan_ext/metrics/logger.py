@@ -98,16 +98,14 @@ class MetricsLogger:
                 raise MetricsWriteFailed(f"writing {path} failed at step {step}: {os_error_text(e)}") from None
         for sink in self.sinks:
             sink.log(step, values)
-        fields = [fmt.format(values[key]) for key, fmt in CONSOLE_FIELDS.items() if key in values]
-        log.info("  ".join([f"step {step:>6}", *fields, *self._timing(step)]))
+        log.info("  ".join([*_console_fields(step, values), *self._timing(step)]))
 
     def console(self, step: int, values: dict[str, float], note: str = "") -> None:
         """A console line alone (rank 0), written nowhere else and leaving the ETA's window as it is: the first
         step of a run whose ``metrics.log_freq`` would keep it silent for a while."""
         if self.rank != 0:
             return
-        fields = [fmt.format(values[key]) for key, fmt in CONSOLE_FIELDS.items() if key in values]
-        log.info("  ".join([f"step {step:>6}", *fields, f"elapsed {hms(time.monotonic() - self.start)}",
+        log.info("  ".join([*_console_fields(step, values), f"elapsed {hms(time.monotonic() - self.start)}",
                             *([note] if note else [])]))
 
     def _timing(self, step: int) -> list[str]:
@@ -129,6 +127,10 @@ class MetricsLogger:
             if out is not None:
                 with contextlib.suppress(OSError):  # a full disk was said when the write failed
                     out.close()
+
+
+def _console_fields(step: int, values: dict[str, float]) -> list[str]:
+    return [f"step {step:>6}", *(fmt.format(values[key]) for key, fmt in CONSOLE_FIELDS.items() if key in values)]
 
 
 def _tensorboard(folder: Path, purge_step: int):
