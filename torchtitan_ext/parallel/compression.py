@@ -46,6 +46,10 @@ def _cpu(residual: torch.Tensor) -> torch.Tensor:
     return residual.detach().to("cpu", copy=True)
 
 
+def _loaded(residual: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if residual is None else residual.to(device=device, dtype=torch.float32)
+
+
 @dataclass
 class GradientCompression:
     """What :func:`apply_gradient_compression` installed. ``after_backward``, when set, must run once the
@@ -95,12 +99,10 @@ class GradientCompression:
                     state.residuals[param] = r.to(device=local.device, dtype=torch.float32).reshape(-1)
         for name, (compressor, device) in self.per_module.items():
             known.add(name)
-            r = residuals.get(name)
-            compressor.residual = None if r is None else r.to(device=device, dtype=torch.float32)
+            compressor.residual = _loaded(residuals.get(name), device)
             if isinstance(compressor, SquinchReplicateHook):
                 known.add(name + OWNER)
-                r = residuals.get(name + OWNER)
-                compressor.owner_residual = None if r is None else r.to(device=device, dtype=torch.float32)
+                compressor.owner_residual = _loaded(residuals.get(name + OWNER), device)
         if unknown := sorted(set(residuals) - known):
             raise ValueError(f"error-feedback residuals of unknown tensors: {unknown[:5]}")
 
