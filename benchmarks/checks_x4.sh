@@ -7,11 +7,20 @@
 # Usage (repository root, torchao importable for the float8 tests):  bash benchmarks/checks_x4.sh OUT_DIR
 #   env: DEADLINE_S (560): every part is stopped by then; PARTS (all: "suite squinch faults probe")
 set -uo pipefail
-OUT=${1:?usage: checks_x4.sh OUT_DIR}
+case ${1:-} in
+    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+    ""|-*) echo "usage: bash benchmarks/checks_x4.sh OUT_DIR (--help for more)" >&2; exit 2 ;;
+esac
+OUT=$1
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0
 DEADLINE=${DEADLINE_S:-560}
 PARTS=${PARTS:-suite squinch faults probe}
+for part in $PARTS; do  # every name checked before any part starts
+    case $part in suite|squinch|faults|probe) ;;
+        *) echo "checks_x4: unknown part '$part' in PARTS (expected suite, squinch, faults, probe)" >&2; exit 2 ;;
+    esac
+done
 W=$(mktemp -d /tmp/checks_x4.XXXXXX)
 pids=()
 for part in $PARTS; do
@@ -23,7 +32,6 @@ for part in $PARTS; do
         faults) timeout "$DEADLINE" python3 benchmarks/two_nodes_faults.py "$W/faults" > "$OUT/faults.log" 2>&1 & ;;
         probe) CUDA_VISIBLE_DEVICES=3 timeout "$DEADLINE" python3 benchmarks/probe_float8_experts_compile.py \
                    > "$OUT/probe.log" 2>&1 & ;;
-        *) echo "checks_x4: unknown part '$part' (expected suite, squinch, faults, probe)" >&2; exit 2 ;;
     esac
     pids+=("$!")
 done

@@ -96,8 +96,13 @@ def _compare(got: dict[int, float], want: dict[int, float], steps: range, rtol: 
 
 
 def main() -> int:
-    cpu = "--cpu" in sys.argv[1:]
-    out = Path(next(a for a in sys.argv[1:] if not a.startswith("--")))
+    args = sys.argv[1:]
+    folders = [a for a in args if not a.startswith("-")]
+    if "-h" in args or "--help" in args or len(folders) != 1 or set(args) - {"--cpu", *folders}:
+        print(__doc__)
+        return 0 if "-h" in args or "--help" in args else 2
+    cpu = "--cpu" in args
+    out = Path(folders[0])
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     results = []
