@@ -5,7 +5,9 @@
 # on GPU 3. Speeds printed by the bed runs here are not measurements (the GPUs are shared).
 #
 # Usage (repository root, torchao importable for the float8 tests):  bash benchmarks/checks_x4.sh OUT_DIR
-#   env: DEADLINE_S (560): every part is stopped by then; PARTS (all: "suite squinch faults probe")
+#   env: DEADLINE_S (560): every part is stopped by then; PARTS (all: "suite squinch faults probe");
+#        SUITE_K: a pytest -k expression selecting part of the multigpu tier. The tier's job logs (each
+#        torchrun job's output, finished or not) come back in OUT_DIR/suite_logs.tgz
 set -uo pipefail
 case ${1:-} in
     -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
@@ -26,7 +28,8 @@ pids=()
 for part in $PARTS; do
     case $part in
         suite) MULTIGPU_REPORT=$OUT/multigpu.jsonl timeout "$DEADLINE" launch/test.sh -m multigpu -q -rA \
-                   --durations=15 --junitxml="$OUT/junit.xml" > "$OUT/suite.log" 2>&1 & ;;
+                   --durations=15 --junitxml="$OUT/junit.xml" --basetemp="$W/suite" ${SUITE_K:+-k "$SUITE_K"} \
+                   > "$OUT/suite.log" 2>&1 & ;;
         squinch) STEPS=300 LIMIT=$(( DEADLINE / 2 - 10 )) RUNS="nodes2_bf16 nodes2_squinch" timeout "$DEADLINE" \
                    bash benchmarks/bench_squinch_hsdp.sh "$W/squinch" > "$OUT/squinch.log" 2>&1 & ;;
         faults) timeout "$DEADLINE" python3 benchmarks/two_nodes_faults.py "$W/faults" > "$OUT/faults.log" 2>&1 & ;;
@@ -37,5 +40,6 @@ for part in $PARTS; do
 done
 for pid in "${pids[@]}"; do wait "$pid"; done
 # The per-step losses of the bed runs, small enough to bring back.
-find "$W" -name metrics.jsonl | tar czf "$OUT/metrics.tgz" -T - 2>/dev/null
+find "$W" -name metrics.jsonl -not -path "$W/suite/*" | tar czf "$OUT/metrics.tgz" -T - 2>/dev/null
+[ -d "$W/suite" ] && find "$W/suite" -name "*.log" | tar czf "$OUT/suite_logs.tgz" -T - 2>/dev/null
 echo "checks_x4: done after $SECONDS s; $(ls "$OUT")"

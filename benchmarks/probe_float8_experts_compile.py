@@ -3,11 +3,16 @@
 compiled, float8 linears + float8 experts, 30 steps) under each variant of the compiler, one process per variant,
 printing how many steps had their update skipped (a non-finite gradient norm).
 
-Variants (``python benchmarks/probe_float8_experts_compile.py [VARIANT ...]``, default all):
-  inductor         the trainer as it is (expected to reproduce: 5-19 skipped steps)
-  aot_eager        AOTAutograd's forward / backward graphs run eagerly: finite -> inductor's code generation
-  no_reuse         inductor without buffer reuse: finite -> a kernel reads memory it did not write
-  launch_blocking  CUDA_LAUNCH_BLOCKING=1: finite -> a race between streams
+Variants (``python benchmarks/probe_float8_experts_compile.py [VARIANT ...]``, default all; ``PROBE_LOGS=DIR``
+keeps each variant's whole output as DIR/VARIANT.log):
+  inductor         the trainer as it is: float8 experts run eagerly between the compiled graphs (the fix)
+  in_graph         the experts inside the blocks' graphs, as before the fix (reproduced: 5-19 skipped steps)
+  in_graph_debug   in_graph with Triton's device asserts on (TRITON_DEBUG=1) and CUDA_LAUNCH_BLOCKING=1: an
+                   out-of-range index inside a compiled kernel stops the job at that kernel
+  aot_eager        in_graph with AOTAutograd's graphs run eagerly (no inductor code generation)
+  aot_eager_blocking  aot_eager with CUDA_LAUNCH_BLOCKING=1: a device-side assert names its own op
+  no_reuse         in_graph without inductor's buffer reuse: finite -> a kernel reads memory it did not write
+  launch_blocking  in_graph with CUDA_LAUNCH_BLOCKING=1: finite -> a race between streams
   eager            no compile (the known-good reference)
 """
 
@@ -21,7 +26,9 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-VARIANTS = ("inductor", "aot_eager", "no_reuse", "launch_blocking", "eager")
+VARIANTS = ("inductor", "in_graph", "in_graph_debug", "aot_eager", "aot_eager_blocking", "no_reuse",
+            "launch_blocking", "eager")
+BLOCKING = {"in_graph_debug", "aot_eager_blocking", "launch_blocking"}
 JOB = ["--config", "train_configs/mode_debug.toml", "--parallelism.ep", "1", "--parallelism.dp_shard", "1",
        "--data.tokenizer", "byte", "--checkpoint.enabled", "false", "--eval.steps", "0",
        "--metrics.tensorboard", "false", "--training.steps", "30", "--metrics.log_freq", "5",
@@ -31,8 +38,16 @@ JOB = ["--config", "train_configs/mode_debug.toml", "--parallelism.ep", "1", "--
 def _child(variant: str, argv: list[str]) -> int:
     import torch
 
+    if variant != "inductor":  # every other variant: the experts inside the graphs, as before the fix
+        import torchtitan_ext.parallel.parallelize as parallelize
+
+        apply_compile = parallelize.apply_compile
+
+        def in_graph(model, experts_in_graph, tensor_parallel, compile_head=False):
+            return apply_compile(model, True, tensor_parallel, compile_head)
+        parallelize.apply_compile = in_graph
     compile_ = torch.compile
-    if variant == "aot_eager":
+    if variant.startswith("aot_eager"):
         def patched(model=None, **kwargs):
             kwargs["backend"] = "aot_eager"
             return compile_(model, **kwargs) if model is not None else compile_(**kwargs)
@@ -51,12 +66,19 @@ def main() -> None:
         # The repository first, then whatever made torchao importable (a --target install on the lent machines).
         env = {**os.environ, "PYTHONUNBUFFERED": "1",
                "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
-        if variant == "launch_blocking":
+        if variant in BLOCKING:
             env["CUDA_LAUNCH_BLOCKING"] = "1"
+        if variant == "in_graph_debug":
+            env["TRITON_DEBUG"] = "1"
         compiled = ["--training.compile", "false" if variant == "eager" else "true"]
         proc = subprocess.run([sys.executable, __file__, "--child", variant, *JOB, *compiled,
                                "--job.dump_folder", str(dump)], cwd=REPO, env=env, capture_output=True, text=True)
         out = proc.stdout + proc.stderr
+        if os.environ.get("PROBE_LOGS"):
+            Path(os.environ["PROBE_LOGS"]).mkdir(parents=True, exist_ok=True)
+            (Path(os.environ["PROBE_LOGS"]) / f"{variant}.log").write_text(out)
+        for line in sorted({m for m in re.findall(r".*(?:Assertion|device-side assert|out of bounds).*", out)})[:5]:
+            print(f"    {line.strip()[:300]}")
         skipped = len(re.findall(r"update skipped", out))
         losses = re.findall(r"loss[ :=]+([0-9.]+)", out)
         print(f"{variant:16s} exit {proc.returncode}  skipped steps {skipped:2d}  last loss "

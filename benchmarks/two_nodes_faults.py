@@ -10,6 +10,7 @@ dp_replicate 2 x dp_shard 2, a checkpoint every 10 steps, 40 steps, float32, det
             global batch) to step 40: its losses against the reference
 
 Usage (repository root):  python3 benchmarks/two_nodes_faults.py [--cpu] OUT_DIR
+  env SCENARIOS: the scenarios after ``straight`` (default "killed sigterm resume2"; resume2 needs sigterm)
 One JSON line per scenario, exit 1 when a check fails. --cpu: gloo on CPU, the debug model (this machine).
 """
 
@@ -102,6 +103,12 @@ def main() -> int:
         print(__doc__)
         return 0 if "-h" in args or "--help" in args else 2
     cpu = "--cpu" in args
+    scenarios = os.environ.get("SCENARIOS", "killed sigterm resume2").split()
+    unknown = set(scenarios) - {"killed", "sigterm", "resume2"}
+    if unknown or ("resume2" in scenarios and "sigterm" not in scenarios):
+        print(f"two_nodes_faults: SCENARIOS={' '.join(scenarios)}: expected some of killed, sigterm, resume2 "
+              f"(resume2 with sigterm)", file=sys.stderr)
+        return 2
     out = Path(folders[0])
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -118,6 +125,16 @@ def main() -> int:
     report({"scenario": "straight", "exit": bed.returncode, "steps": len(ref), "seconds": round(time.time() - t0),
             "transport": verdict[-1] if verdict else "", "ok": bed.returncode == 0 and len(ref) == STEPS})
 
+    if "killed" in scenarios:
+        _killed(cpu, out, ref, report)
+    if "sigterm" in scenarios:
+        stopped_at = _sigterm(cpu, out, report)
+    if "resume2" in scenarios:
+        _resume2(cpu, out, ref, stopped_at, report)
+    return 0 if all(r["ok"] for r in results) else 1
+
+
+def _killed(cpu: bool, out: Path, ref: dict[int, float], report) -> None:
     t0 = time.time()
     bed = _bed(cpu, out / "killed", {"MAX_RESTARTS": "1"})
     _wait_for_step(out / "killed", FAULT_AFTER, bed)
@@ -132,6 +149,9 @@ def main() -> int:
     row["ok"] = row["ok"] and bed.returncode == 0 and any(resumed.values())  # rank 0 (agent a) says it
     report(row)
 
+
+def _sigterm(cpu: bool, out: Path, report) -> int:
+    """SIGTERM to agent a after FAULT_AFTER steps; the step both agents stopped at (0 if none was saved)."""
     t0 = time.time()
     bed = _bed(cpu, out / "sigterm")
     _wait_for_step(out / "sigterm", FAULT_AFTER, bed)
@@ -150,7 +170,10 @@ def main() -> int:
     report({"scenario": "sigterm", "exit": bed.returncode, "verdict": verdict[-1] if verdict else "",
             "checkpoints": saved, "last_logged": logged, "seconds": round(time.time() - t0),
             "agent_lines": agent_rc, "ok": stopped_at == logged and FAULT_AFTER <= stopped_at < STEPS})
+    return stopped_at
 
+
+def _resume2(cpu: bool, out: Path, ref: dict[int, float], stopped_at: int, report) -> None:
     t0 = time.time()
     resume = out / "resume2"
     shutil.copytree(out / "sigterm", resume, ignore=shutil.ignore_patterns("*.lock", "lock"))
@@ -167,7 +190,6 @@ def main() -> int:
            **_compare(_losses(resume), ref, range(stopped_at + 1, STEPS + 1), OTHER_LAYOUT_RTOL)}
     row["ok"] = row["ok"] and proc.returncode == 0
     report(row)
-    return 0 if all(r["ok"] for r in results) else 1
 
 
 if __name__ == "__main__":

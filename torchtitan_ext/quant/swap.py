@@ -34,7 +34,7 @@ def convert_model(model: nn.Module, cfg: JobConfig) -> list[str]:
         lines.append(f"float8 experts: {len(swapped)} MoDE expert groups run float8 rowwise grouped GEMMs (token "
                      f"groups padded to 16 rows)" if swapped else
                      "float8.experts = true: the model has no MoDE layers, nothing to convert")
-        if swapped and cfg.training.compile:  # found on an H200 (torch 2.11, torchao 0.17), cause not yet known
-            lines.append("float8 experts, compiled: a known bug gives some steps a non-finite gradient norm (the "
-                         "guard skips them); training.compile = false avoids it")
+        if swapped and cfg.training.compile:
+            lines.append("float8 experts, compiled: the expert GEMMs run eagerly between the compiled graphs "
+                         "(inside a graph they gave non-finite gradients: benchmarks/RESULTS.md)")
     return lines

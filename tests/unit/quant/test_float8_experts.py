@@ -410,12 +410,11 @@ def test_gpu_kernel_matches_emulation_and_tracks_bf16(compiled):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(_gpu_skip_reason() is not None, reason=str(_gpu_skip_reason()))
-@pytest.mark.xfail(strict=False, reason="known bug (2026-11-27, H200, torch 2.11, torchao 0.17): compiled float8 "
-                   "experts give a non-finite gradient norm on 5-13 of 30 steps, differently each run (eager and "
-                   "float8 linears alone: none); the job stops when 5 come in a row")
 def test_gpu_trainer_mode_debug_float8_experts(tmp_path):
     """The trainer, compiled, on the mode_debug model with float8 linears and float8 experts: the experts
-    are swapped, and the loss falls like the bf16 run's (within 5% after 30 steps)."""
+    are swapped, no step's gradient norm is non-finite, and the loss falls like the bf16 run's (within 5% after
+    30 steps). With the experts inside the blocks' graphs 5-19 of the 30 steps had non-finite gradient norms
+    (torch 2.11, torchao 0.17: benchmarks/RESULTS.md); they now run eagerly between the graphs."""
     finals = {}
     for name, flags in (("bf16", []), ("float8", ["--float8.enabled", "true", "--float8.experts", "true"])):
         dump = tmp_path / name
@@ -432,5 +431,6 @@ def test_gpu_trainer_mode_debug_float8_experts(tmp_path):
         finals[name] = (rows[0]["loss"], rows[-1]["loss"])
         if name == "float8":
             assert "float8 experts: 4 MoDE expert groups run float8 rowwise grouped GEMMs" in proc.stderr + proc.stdout
+            assert "the expert GEMMs run eagerly between the compiled graphs" in proc.stderr + proc.stdout
     assert finals["float8"][1] < 0.8 * finals["float8"][0]
     assert abs(finals["float8"][1] - finals["bf16"][1]) < 0.05 * finals["bf16"][1], finals
