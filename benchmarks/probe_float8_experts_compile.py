@@ -5,15 +5,19 @@ printing how many steps had their update skipped (a non-finite gradient norm).
 
 Variants (``python benchmarks/probe_float8_experts_compile.py [VARIANT ...]``, default all; ``PROBE_LOGS=DIR``
 keeps each variant's whole output as DIR/VARIANT.log):
-  inductor         the trainer as it is: float8 experts run eagerly between the compiled graphs (the fix)
-  in_graph         the experts inside the blocks' graphs, as before the fix (reproduced: 5-19 skipped steps)
-  in_graph_debug   in_graph with Triton's device asserts on (TRITON_DEBUG=1) and CUDA_LAUNCH_BLOCKING=1: an
-                   out-of-range index inside a compiled kernel stops the job at that kernel
-  aot_eager        in_graph with AOTAutograd's graphs run eagerly (no inductor code generation)
+  inductor            the trainer as it is
+  experts_eager       the float8 experts eager between compiled graphs (as under expert parallelism)
+  debug               inductor with Triton's device asserts on (TRITON_DEBUG=1) and CUDA_LAUNCH_BLOCKING=1
+  aot_eager           AOTAutograd's graphs run eagerly (no inductor code generation)
   aot_eager_blocking  aot_eager with CUDA_LAUNCH_BLOCKING=1: a device-side assert names its own op
-  no_reuse         in_graph without inductor's buffer reuse: finite -> a kernel reads memory it did not write
-  launch_blocking  in_graph with CUDA_LAUNCH_BLOCKING=1: finite -> a race between streams
-  eager            no compile (the known-good reference)
+  no_reuse            inductor without buffer reuse
+  launch_blocking     CUDA_LAUNCH_BLOCKING=1: rules a race between streams in or out
+  eager               no compile
+
+Found with it (2026-11-27): aot_eager_blocking stopped at an out-of-range index inside FlexAttention's mask
+function (the causal BlockMask is built for one batch row and broadcast, but the mask function was called
+with b = 1, 2, 3 and indexed ``start[b, k]``); inside the CUDA kernel that read went to other memory, so the
+mask of some diagonal blocks was garbage. Fixed in ops/visibility.py.
 """
 
 from __future__ import annotations
@@ -26,9 +30,9 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-VARIANTS = ("inductor", "in_graph", "in_graph_debug", "aot_eager", "aot_eager_blocking", "no_reuse",
+VARIANTS = ("inductor", "experts_eager", "debug", "aot_eager", "aot_eager_blocking", "no_reuse",
             "launch_blocking", "eager")
-BLOCKING = {"in_graph_debug", "aot_eager_blocking", "launch_blocking"}
+BLOCKING = {"debug", "aot_eager_blocking", "launch_blocking"}
 JOB = ["--config", "train_configs/mode_debug.toml", "--parallelism.ep", "1", "--parallelism.dp_shard", "1",
        "--data.tokenizer", "byte", "--checkpoint.enabled", "false", "--eval.steps", "0",
        "--metrics.tensorboard", "false", "--training.steps", "30", "--metrics.log_freq", "5",
@@ -38,14 +42,14 @@ JOB = ["--config", "train_configs/mode_debug.toml", "--parallelism.ep", "1", "--
 def _child(variant: str, argv: list[str]) -> int:
     import torch
 
-    if variant != "inductor":  # every other variant: the experts inside the graphs, as before the fix
+    if variant == "experts_eager":
         import torchtitan_ext.parallel.parallelize as parallelize
 
         apply_compile = parallelize.apply_compile
 
-        def in_graph(model, experts_in_graph, tensor_parallel, compile_head=False):
-            return apply_compile(model, True, tensor_parallel, compile_head)
-        parallelize.apply_compile = in_graph
+        def around_experts(model, experts_in_graph, tensor_parallel, compile_head=False):
+            return apply_compile(model, False, tensor_parallel, compile_head)
+        parallelize.apply_compile = around_experts
     compile_ = torch.compile
     if variant.startswith("aot_eager"):
         def patched(model=None, **kwargs):
@@ -68,7 +72,7 @@ def main() -> None:
                "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
         if variant in BLOCKING:
             env["CUDA_LAUNCH_BLOCKING"] = "1"
-        if variant == "in_graph_debug":
+        if variant == "debug":
             env["TRITON_DEBUG"] = "1"
         compiled = ["--training.compile", "false" if variant == "eager" else "true"]
         proc = subprocess.run([sys.executable, __file__, "--child", variant, *JOB, *compiled,

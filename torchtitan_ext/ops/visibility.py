@@ -87,13 +87,24 @@ class BlockMaskCache:
 
 
 def flex_block_mask(start: torch.Tensor, limit: torch.Tensor):
-    """The FlexAttention BlockMask of a visibility pair (broadcast over heads)."""
+    """The FlexAttention BlockMask of a visibility pair (broadcast over heads; over the batch too when the
+    pair has one row). FlexAttention calls the mask function with each row's own batch index even when the
+    BlockMask broadcasts, so a one-row pair is read without it: indexing its missing rows would read past the
+    tensor (an index error on CPU, other memory in the CUDA kernel)."""
     from torch.nn.attention.flex_attention import create_block_mask
+
+    batch, seq = start.shape
+    if batch == 1:
+        start_row, limit_row = start[0], limit[0]
+
+        def shared_mask_mod(b, h, q, k):
+            return (start_row[k] <= q) & (q < limit_row[k])
+
+        return create_block_mask(shared_mask_mod, None, None, seq, seq, device=start.device)
 
     def mask_mod(b, h, q, k):
         return (start[b, k] <= q) & (q < limit[b, k])
 
-    batch, seq = start.shape
     return create_block_mask(mask_mod, batch, None, seq, seq, device=start.device)
 
 

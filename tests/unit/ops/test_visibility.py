@@ -138,3 +138,24 @@ def test_flex_forward_matches_float64():
     ref, ref_lse = _reference(q, k, v, visibility_mask(start, limit))
     torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-4)
+
+
+def test_flex_causal_mask_is_shared_by_every_batch_row():
+    """The causal BlockMask is built once (batch 1) and broadcast over the batch, but FlexAttention calls its
+    mask function with each row's own batch index: the function must not read a batch dimension it lacks.
+    (Reading ``start[b, k]`` for b >= 1 went past the tensor: on CPU an index error, in the CUDA kernel a
+    silent read of other memory, which gave compiled MoDE runs non-finite gradients.)"""
+    from torchtitan_ext.ops.visibility import causal_block_mask
+
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    torch.manual_seed(2)
+    b, h, t, d = 3, 2, 256, 16
+    q, k, v = (torch.randn(b, h, t, d) for _ in range(3))
+    try:
+        out, lse = flex.flex_attention(q, k, v, block_mask=causal_block_mask(t, q.device), return_lse=True)
+    except NotImplementedError as e:  # some torch builds refuse eager CPU FlexAttention
+        pytest.skip(f"FlexAttention forward does not run on this CPU torch: {e}")
+    causal = torch.ones(t, t, dtype=torch.bool).tril()[None].expand(b, t, t)
+    ref, ref_lse = _reference(q, k, v, causal)
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-4)
