@@ -5,8 +5,8 @@ printing how many steps had their update skipped (a non-finite gradient norm).
 
 Variants (``python benchmarks/probe_float8_experts_compile.py [VARIANT ...]``, default all; ``PROBE_LOGS=DIR``
 keeps each variant's whole output as DIR/VARIANT.log):
-  inductor            the trainer as it is
-  experts_eager       the float8 experts eager between compiled graphs (as under expert parallelism)
+  inductor            the float8 experts inside the blocks' graphs (the trainer before the fix)
+  experts_eager       the trainer as it is: float8 experts eager between the compiled graphs
   debug               inductor with Triton's device asserts on (TRITON_DEBUG=1) and CUDA_LAUNCH_BLOCKING=1
   aot_eager           AOTAutograd's graphs run eagerly (no inductor code generation)
   aot_eager_blocking  aot_eager with CUDA_LAUNCH_BLOCKING=1: a device-side assert names its own op
@@ -14,10 +14,12 @@ keeps each variant's whole output as DIR/VARIANT.log):
   launch_blocking     CUDA_LAUNCH_BLOCKING=1: rules a race between streams in or out
   eager               no compile
 
-Found with it (2026-11-27): aot_eager_blocking stopped at an out-of-range index inside FlexAttention's mask
-function (the causal BlockMask is built for one batch row and broadcast, but the mask function was called
-with b = 1, 2, 3 and indexed ``start[b, k]``); inside the CUDA kernel that read went to other memory, so the
-mask of some diagonal blocks was garbage. Fixed in ops/visibility.py.
+Found with it (2026-11-27, torch 2.11, torchao 0.17; one H100, one run on an H200): experts_eager 0 skipped
+steps in two runs, the experts inside the graphs 6-13 in each of eight runs, also with CUDA_LAUNCH_BLOCKING=1
+(10), without buffer reuse (13) and with Triton's device asserts on (10, 11; none fired); eager 0. aot_eager stopped at an
+out-of-range index in FlexAttention's causal mask function (``start[b, k]`` of a one-row mask for b >= 1),
+a real bug, fixed in ops/visibility.py, but not this one: with it fixed, inductor still skipped 6-8 steps.
+So the trainer runs float8 experts eagerly between the compiled graphs (parallel/parallelize.py).
 """
 
 from __future__ import annotations
@@ -42,14 +44,14 @@ JOB = ["--config", "train_configs/mode_debug.toml", "--parallelism.ep", "1", "--
 def _child(variant: str, argv: list[str]) -> int:
     import torch
 
-    if variant == "experts_eager":
+    if variant not in ("experts_eager", "eager"):  # the experts inside the graphs, as before the fix
         import torchtitan_ext.parallel.parallelize as parallelize
 
         apply_compile = parallelize.apply_compile
 
-        def around_experts(model, experts_in_graph, tensor_parallel, compile_head=False):
-            return apply_compile(model, False, tensor_parallel, compile_head)
-        parallelize.apply_compile = around_experts
+        def in_graph(model, experts_in_graph, tensor_parallel, compile_head=False):
+            return apply_compile(model, True, tensor_parallel, compile_head)
+        parallelize.apply_compile = in_graph
     compile_ = torch.compile
     if variant.startswith("aot_eager"):
         def patched(model=None, **kwargs):

@@ -35,8 +35,11 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, cfg: JobConfig, on
     if apply_activation_checkpointing(model, ac.mode, ac.selective_every, moe_fsdp_units):
         log.info("activation_checkpoint: MoDE blocks under EP/TP are recomputed in full (torch's op-level "
               "selective checkpointing cannot wrap their FSDP units); other blocks use the op-level policy")
-    if cfg.training.compile:  # experts join the block's graph only on GPU and outside their own FSDP units
-        apply_compile(model, experts_in_graph=on_gpu and not moe_fsdp_units, tensor_parallel=dims.tp > 1,
+    if cfg.training.compile:  # experts join the block's graph only on GPU, outside their own FSDP units, in bf16
+        # Float8 experts stay eager between graphs: inside the block's graph torchao 0.17's float8 grouped GEMMs
+        # gave non-finite gradient norms on some steps (benchmarks/RESULTS.md, "Compiled float8 MoDE experts").
+        in_graph = on_gpu and not moe_fsdp_units and not cfg.float8.experts
+        apply_compile(model, experts_in_graph=in_graph, tensor_parallel=dims.tp > 1,
                       compile_head=cfg.float8.enabled and cfg.float8.include_output)
         if dims.tp > 1 and model.tok_embeddings is not None:
             log.info("compile: under TP the embedding's reduce-scatter completes before the first compiled block "

@@ -34,4 +34,7 @@ def convert_model(model: nn.Module, cfg: JobConfig) -> list[str]:
         lines.append(f"float8 experts: {len(swapped)} MoDE expert groups run float8 rowwise grouped GEMMs (token "
                      f"groups padded to 16 rows)" if swapped else
                      "float8.experts = true: the model has no MoDE layers, nothing to convert")
+        if swapped and cfg.training.compile:
+            lines.append("float8 experts, compiled: the expert GEMMs run eagerly between the compiled graphs "
+                         "(inside a graph they gave non-finite gradients: benchmarks/RESULTS.md)")
     return lines
