@@ -14,9 +14,10 @@ keeps each variant's whole output as DIR/VARIANT.log):
   launch_blocking     CUDA_LAUNCH_BLOCKING=1: rules a race between streams in or out
   eager               no compile
 
-Found with it (2026-11-27, torch 2.11, torchao 0.17; one H100, one run on an H200): experts_eager 0 skipped
-steps in two runs, the experts inside the graphs 6-13 in each of eight runs, also with CUDA_LAUNCH_BLOCKING=1
-(10), without buffer reuse (13) and with Triton's device asserts on (10, 11; none fired); eager 0. aot_eager stopped at an
+Found with it (2026-11-27, torch 2.11, torchao 0.17): experts_eager 0 skipped steps in two runs (H100); the
+experts inside the graphs skipped steps in all eight runs: on an H200 7, 13 without buffer reuse, 10 with
+CUDA_LAUNCH_BLOCKING=1; on an H100 6, 6, 8, and 10 and 11 with Triton's device asserts on (none fired); eager 0.
+aot_eager stopped at an
 out-of-range index in FlexAttention's causal mask function (``start[b, k]`` of a one-row mask for b >= 1),
 a real bug, fixed in ops/visibility.py, but not this one: with it fixed, inductor still skipped 6-8 steps.
 So the trainer runs float8 experts eagerly between the compiled graphs (parallel/parallelize.py).
