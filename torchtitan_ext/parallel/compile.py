@@ -39,8 +39,9 @@ def _compile_around_experts(block: nn.Module) -> None:
     split sizes) stay eager.
 
     The experts cannot sit inside a graph under expert parallelism (the all-to-all's split sizes are read on
-    the host), when they or their MoDE layer are an FSDP unit of their own (FSDP's hooks run eagerly), or on
-    CPU (the grouped-GEMM fallback loops over groups whose sizes are data). Their SwiGLU is not compiled
+    the host), when they or their MoDE layer are an FSDP unit of their own (FSDP's hooks run eagerly), on
+    CPU (the grouped-GEMM fallback loops over groups whose sizes are data), or in float8 (inside the graph
+    torchao 0.17's float8 grouped GEMMs gave non-finite gradient norms on some steps). Their SwiGLU is not compiled
     either: its row count differs by rank and step, and compiling it gained nothing measurable on one H100
     (benchmarks/RESULTS.md). Compiled methods keep every parameter's name; few, large graphs keep the host
     ahead of the GPU."""
