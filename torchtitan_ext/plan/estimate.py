@@ -78,15 +78,18 @@ def mode_activations(args: ModelArgs, act: int, compiled: bool) -> dict[str, flo
     return out
 
 
-def head_activations(args: ModelArgs, act: int, norm: str, fused_ce: bool, tp: int = 1) -> dict[str, float]:
+def head_activations(args: ModelArgs, act: int, norm: str, fused_ce: bool, tp: int = 1,
+                     vocab_tp: int | None = None) -> dict[str, float]:
     """Per token: final norm, head input and the saved log-softmax (fp32) of the cross-entropy. Under TP the
-    norm is sequence-sharded, the head's input all-gathered and the logits vocabulary-sharded (loss parallel)."""
+    norm is sequence-sharded, the head's input all-gathered and the logits vocabulary-sharded over
+    ``vocab_tp`` ranks (loss parallel; default ``tp``; 1 where a pipeline's last stage gathers its logits)."""
+    vocab_tp = tp if vocab_tp is None else vocab_tp
     per_norm = (act * args.dim + F32) if norm == "fused" else (2 * F32 * args.dim + F32)
     out = {"final_norm": per_norm / tp, "head_input": act * args.dim, "embedding_ids": 8}
     if not fused_ce:
-        out["log_softmax"] = F32 * args.vocab_size / tp
+        out["log_softmax"] = F32 * args.vocab_size / vocab_tp
         if args.logit_softcap > 0:
-            out["softcap"] = act * args.vocab_size / tp
+            out["softcap"] = act * args.vocab_size / vocab_tp
     return out
 
 
@@ -100,13 +103,17 @@ class Plan:
     activations_no_ac: float = 0.0
     comm: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # Pipeline parallelism without FSDP: the stage's fp32 gradients exist from the first micro-batch's backward
+    # on, while later micro-batches' forwards still hold their activations (1F1B's steady state)
+    grads_at_backward: bool = False
 
     @property
     def peak(self) -> float:
         """The larger of two moments: the start of the backward pass (every activation saved, gradients
-        not yet allocated: the optimizer sets them to None, only the head's exists) and the optimizer step
-        (every gradient, no activations)."""
-        backward = sum(v for k, v in self.memory.items() if k != GRADS)
+        not yet allocated: the optimizer sets them to None, only the head's exists; under pipeline parallelism
+        without FSDP every gradient too, ``grads_at_backward``) and the optimizer step (every gradient, no
+        activations)."""
+        backward = sum(v for k, v in self.memory.items() if k != GRADS or self.grads_at_backward)
         step = sum(self.memory[k] for k in ("parameters (fp32)", "optimizer state", GRADS))
         return max(backward, step) * ALLOCATOR_OVERHEAD
 
@@ -226,7 +233,10 @@ def _parameter_memory(p: Plan, job: _Job) -> None:
     elif dims.fsdp_enabled:  # the running unit and the prefetched one (the embedding or head is a unit of its own)
         p.memory["unsharded params + grads (bf16 / reduce dtype)"] = (
             (FSDP_UNSHARDED_UNITS - 1) * unit + max(unit, end_unit)) * job.act + max(unit, end_unit) * red
-    elif t.mixed_precision_param == "bfloat16":
+    else:
+        # the gradients accumulate over the micro-batches in the parameters' fp32 .grad (torch's PipelineStage)
+        p.grads_at_backward = dims.pp > 1
+    if not dims.fsdp_enabled and t.mixed_precision_param == "bfloat16":
         # the embedding lookup is not autocast; float8 linears cast their fp32 weights to float8 instead
         cast = job.block - (g["matrices"] * job.frac_layers if job.cfg.float8.enabled else 0) + head_grad
         p.memory["autocast bf16 weight copies"] = 2 * cast / dims.tp
@@ -242,9 +252,13 @@ def _activation_memory(p: Plan, job: _Job) -> None:
                  for i in range(args.n_layers)]
     per_layer_stage = sorted(per_layer, reverse=True)[:layers]
     full = sum(per_layer_stage) * tokens
-    if cfg.float8.enabled:  # float8 linears save their fp8 inputs (1 byte) and fp8 weights, not bf16 inputs
+    if cfg.float8.enabled:  # float8 linears save their fp8 inputs (1 byte) instead of bf16 inputs
         full -= sum(float8_input_saving(args, i, dims.tp) for i in range(layers)) * tokens
-        p.memory["float8 weight copies"] = (job.g["matrices"] * job.frac_layers) / dims.tp * 1
+        if not t.compile:
+            # eager torchao saves each layer's fp8 weight for the backward; inside a compiled block the weight
+            # is a graph input (a parameter, alive anyway) and the backward graph casts it again (measured:
+            # llama3_8b FSDP 4 peaked at 52.8 GiB in float8 vs 53.0 bf16, where these copies would be 6.5)
+            p.memory["float8 weight copies"] = (job.g["matrices"] * job.frac_layers) / dims.tp * 1
     ac = cfg.activation_checkpoint
     block_input = act * args.dim / dims.tp * tokens
     recompute = max(per_layer_stage) * tokens  # a recomputed block's activations, during its backward only
@@ -254,7 +268,10 @@ def _activation_memory(p: Plan, job: _Job) -> None:
         n_ckpt = layers // ac.selective_every
         acts = full - n_ckpt * (sum(per_layer_stage) / layers * tokens - block_input)
     elif ac.mode == "selective":  # op-level: matmul and attention outputs kept, pointwise recomputed
-        acts = sum(selective_activations(args, i, act, dims.tp) for i in range(layers)) * tokens
+        kept = [selective_activations(args, i, act, dims.tp, t.compile) for i in range(args.n_layers)]
+        acts = sum(sorted(kept, reverse=True)[:layers]) * tokens
+        # during a block's backward only its pointwise results are recomputed; the kept ones are reused
+        recompute = max(max(full_i - kept_i, 0.0) for full_i, kept_i in zip(per_layer, kept, strict=True)) * tokens
     else:
         acts, recompute = full, 0.0
     in_flight, micro = 1.0, 1
@@ -267,13 +284,22 @@ def _activation_memory(p: Plan, job: _Job) -> None:
                        "first rank")
     p.memory["activations"] = acts * in_flight + recompute / micro
     p.activations_no_ac = full * in_flight
-    head = sum(head_activations(args, act, "fused", t.fused_linear_ce, dims.tp).values()) * tokens
-    vocab_local = args.vocab_size / dims.tp
+    # loss parallel (train/build.py): TP without PP keeps the logits vocabulary-sharded and the trainer runs
+    # that cross-entropy eagerly (DTensor ops, trainer._build_loss); a last pipeline stage gathers its logits
+    loss_parallel = dims.tp > 1 and dims.pp == 1
+    vocab_tp = dims.tp if loss_parallel else 1
+    head = sum(head_activations(args, act, "fused", t.fused_linear_ce, dims.tp, vocab_tp).values()) * tokens
+    vocab_local = args.vocab_size / vocab_tp
     if t.fused_linear_ce:
         loss_peak = min(t.fused_linear_ce_chunk, tokens) * vocab_local * (2 * F32 + act)
-    elif t.compile:  # inductor saves the head-dtype logits and the LSE; one fused kernel writes their gradient
+    elif t.compile and not loss_parallel:
+        # inductor saves the head-dtype logits and the LSE; one fused kernel writes their gradient
         head += ((act - F32) * vocab_local + F32) * tokens
         loss_peak = tokens * vocab_local * act
+    elif loss_parallel:
+        # torch's loss-parallel backward (tensor/parallel/loss.py, _nll_loss_and_log_softmax_backward) holds
+        # three fp32 (tokens x local vocabulary) buffers at once: zeros_like(log-softmax), its exp, their sum
+        loss_peak = tokens * vocab_local * 3 * F32
     else:  # eager backward of the cross-entropy: gradient of the fp32 logits, then its cast to the head dtype
         loss_peak = tokens * vocab_local * (F32 + (act if act != F32 else 0))
     p.memory["logits / cross-entropy"] = (head + loss_peak) / micro  # one micro-batch at a time
@@ -289,15 +315,20 @@ def float8_input_saving(args: ModelArgs, layer: int, tp: int) -> float:
     return saving
 
 
-def selective_activations(args: ModelArgs, layer: int, act: int, tp: int) -> float:
-    """Op-level selective AC per token: outputs of the matmuls and of attention (+ LSE), and the block input."""
+def selective_activations(args: ModelArgs, layer: int, act: int, tp: int, compiled: bool = False) -> float:
+    """Op-level selective AC per token: outputs of the matmuls and of attention (+ LSE), and the block input.
+    Eager, torch's selective checkpointing caches every MUST_SAVE op's output during the forward, the FFN's
+    output projection (w2) too; in a compiled block the policy's tags only steer inductor's partitioner,
+    which saves what the backward reads: w2's output feeds the residual add alone, so it is not kept."""
     hd, hq, hk = args.hdim, args.n_heads // tp, args.kv_heads // tp
     kv = 2 * hk * hd if args.computes_kv(layer) else 0
     out = act * args.dim / tp + act * (hq * hd + kv) + act * hq * hd + F32 * hq + act * args.dim
     if args.is_moe(layer):
         out += args.top_k * act * (3 * args.expert_hidden + args.dim) + F32 * args.n_experts
     else:
-        out += act * (args.ffn_hidden // tp) * (2 if args.activation == "swiglu" else 1) + act * args.dim
+        out += act * (args.ffn_hidden // tp) * (2 if args.activation == "swiglu" else 1)
+        if not compiled:
+            out += act * args.dim
     return out
 
 

@@ -17,7 +17,10 @@ Step time of one optimizer step (the global batch) on every GPU:
   compute   = the trainer's MFU FLOPs (``metrics.logger.flops_per_token``) x G x seq_len / N / (peak x MFU);
               peak 989 TFLOP/s (H100 bf16 dense), MFU 0.45 (``Hardware``; one H100 measured 0.54-0.55 on the
               compiled 1b and 8B in issue 42; uncompiled MoDE with small experts will be lower). Smaller GEMMs
-              under TP, MoDE load imbalance and kernel launch costs are not modelled.
+              under TP, MoDE load imbalance and kernel launch costs are not modelled. With ``float8.enabled``
+              the blocks' dense linears (and the head with ``float8.include_output``) run FLOAT8_GEMM_SPEEDUP
+              times faster (their share of the FLOPs: 6 x their parameters per token); attention and the
+              rest do not.
   recompute = full AC: compute / 3 (the forward again: 2 of the 6 FLOPs per parameter and token); op-level
               selective: SELECTIVE_RECOMPUTE x compute (pointwise ops only: 1b lost 3% with it in RESULTS.md,
               issue 16); selective every N blocks: compute / (3 N).
@@ -40,7 +43,7 @@ from dataclasses import dataclass, field
 
 from torchtitan_ext.config.job_config import JobConfig
 from torchtitan_ext.errors import ConfigError, UserError
-from torchtitan_ext.plan.estimate import GIB, Plan, plan
+from torchtitan_ext.plan.estimate import GIB, Plan, _param_groups, plan
 
 # Share of the step's compute that op-level selective AC adds (1b, fused CE: 90,811 vs 93,644 tokens/s).
 SELECTIVE_RECOMPUTE = 0.03
@@ -52,6 +55,12 @@ FSDP_EXPOSED = 0.25
 # forward / backward calls, send / recv handshakes): 1b PP 2 x FSDP 2, 1F1B, 8 micro-batches (issue 42) lost
 # about 5.7 ms per micro-batch more than its bubble; the 7b-shaped 8-layer PP 2 (2 H200s, RESULTS.md) none.
 PP_PASS_OVERHEAD = 0.003
+# How much faster a float8 linear's forward + backward runs than bf16 (GEMMs with their amax / scale / cast
+# work), per recipe. tensorwise: the 8B-shaped 4-layer model (seq 4096, vocabulary 32000, one H100, issue 16
+# re-measured) ran 1.281x with its blocks' linears (76.7% of the FLOPs) in float8, which solves to 1.40; the
+# same figure gives 1.26x / 1.30x for llama3_8b FSDP 4 and the 7b-shaped FSDP 2 rows, measured 1.23x / 1.27x.
+# rowwise: the plain script's 1.13x on the same shape (gpu-facts). Other recipes: not measured, no gain.
+FLOAT8_GEMM_SPEEDUP = {"tensorwise": 1.40, "rowwise": 1.17}
 MICRO_SEQUENCES = (1, 2, 4, 8)  # sequences per pipeline micro-batch tried
 DATA_PARALLEL_DIMS = ("dp_shard", "dp_replicate", "dp")
 AC_MODES = ("none", "selective", "full")
@@ -120,8 +129,12 @@ def step_time(cfg: JobConfig, p: Plan, hw: Hardware) -> StepTime:
     counts = count_params(a)
     active = counts["active"] - (0 if a.tie_embeddings else counts["embedding"])  # as the trainer's MFU
     tokens = global_batch(cfg, p.world) * t.seq_len
-    compute = flops_per_token(active, a.n_layers, a.n_heads, a.hdim, t.seq_len) * tokens / p.world \
-        / (hw.peak_flops * hw.mfu)
+    per_token = flops_per_token(active, a.n_layers, a.n_heads, a.hdim, t.seq_len)
+    compute = per_token * tokens / p.world / (hw.peak_flops * hw.mfu)
+    if cfg.float8.enabled and (speedup := FLOAT8_GEMM_SPEEDUP.get(cfg.float8.recipe)):
+        groups = _param_groups(a)
+        share = 6 * (groups["matrices"] + (groups["head"] if cfg.float8.include_output else 0)) / per_token
+        compute *= 1 - share + share / speedup
     if ac.mode == "full":
         recompute = compute / 3
     elif ac.mode == "selective":
