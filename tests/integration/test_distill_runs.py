@@ -44,23 +44,48 @@ def _teacher_pass(root: Path, out: Path, *extra: str, nproc: int = 0) -> subproc
 
 @pytest.fixture(scope="module")
 def distilled(tmp_path_factory):
-    """A teacher trained 40 steps, its sidecars (k = 8), and students with alpha 0.9 and 0 (hard labels)."""
+    """A teacher trained 40 steps and its sidecars (k = 8)."""
     root = tmp_path_factory.mktemp("distill")
     _byte_shards(root / "data")
     run_trainer(root / "teacher", 0, *_job(root), "--training.steps", "40", "--checkpoint.enabled", "true",
                 "--checkpoint.interval", "40")
     proc = _teacher_pass(root, root / "side")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    students = {}
+    return root, proc
+
+
+@pytest.fixture(scope="module")
+def students(distilled):
+    """Students of 30 steps with alpha 0.9 and 0 (hard labels), same seed and data (the slow tier's)."""
+    root, _ = distilled
+    metrics = {}
     for alpha in ("0.9", "0.0"):
         run_trainer(root / f"student{alpha}", 0, *_job(root), "--training.steps", "30", "--job.seed", "1",
                     "--distill.path", str(root / "side"), "--distill.alpha", alpha)
-        students[alpha] = read_metrics(root / f"student{alpha}")
-    return root, proc, students
+        metrics[alpha] = read_metrics(root / f"student{alpha}")
+    return metrics
+
+
+def test_student_trains_on_the_sidecars(distilled, tmp_path):
+    """CI's distilled students: 3 steps each with alpha 0.9 and 0 from the same start. At step 1 (same weights,
+    same batch) both log the same soft cross-entropy to the teacher, and the alpha-0.9 loss is 0.9 x that plus
+    0.1 x the hard-label loss the alpha-0 student logs."""
+    root, _ = distilled
+    rows = {}
+    for alpha in ("0.9", "0.0"):
+        run_trainer(tmp_path / alpha, 0, *_job(root), "--training.steps", "3", "--job.seed", "1",
+                    "--metrics.log_freq", "1", "--distill.path", str(root / "side"), "--distill.alpha", alpha)
+        rows[alpha] = read_metrics(tmp_path / alpha)
+        assert [r["step"] for r in rows[alpha]] == [1, 2, 3]
+        assert all(np.isfinite(r["distill/soft_ce"]) and r["distill/soft_ce"] > 0 for r in rows[alpha])
+    soft, hard = rows["0.9"][0]["distill/soft_ce"], rows["0.0"][0]["loss"]
+    assert rows["0.0"][0]["distill/soft_ce"] == pytest.approx(soft, rel=1e-6)
+    assert abs(soft - hard) > 1e-3  # the two targets differ, so the mix below is not trivially true
+    assert rows["0.9"][0]["loss"] == pytest.approx(0.9 * soft + 0.1 * hard, rel=1e-5)
 
 
 def test_sidecars_line_up_with_shards(distilled):
-    root, proc, _ = distilled
+    root, proc = distilled
     assert "96 bytes/token at k = 8 vs dense bf16 512" in proc.stdout
     shard = root / "data" / "train" / "train_0.bin"
     tokens = read_shard(shard)
@@ -78,8 +103,8 @@ def test_sidecars_line_up_with_shards(distilled):
     assert hits > 0.5, hits  # the true next byte is among the 8 kept tokens at most positions
 
 
-def test_student_soft_ce_falls_faster_than_hard_labels(distilled):
-    _, _, students = distilled
+@pytest.mark.slow
+def test_student_soft_ce_falls_faster_than_hard_labels(students):
     late = {a: np.mean([r["distill/soft_ce"] for r in m[-10:]]) for a, m in students.items()}
     assert students["0.9"][0]["distill/soft_ce"] == pytest.approx(students["0.0"][0]["distill/soft_ce"])
     print(f"soft CE to the teacher, mean of steps 21-30: distilled {late['0.9']:.3f}, hard labels {late['0.0']:.3f}")
@@ -89,10 +114,10 @@ def test_student_soft_ce_falls_faster_than_hard_labels(distilled):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [["--training.local_batch_size", "2"], ["--parallelism.tp", "2"],
                                     ["--parallelism.pp", "2"]], ids=["fsdp2", "tp2", "pp2"])
-def test_two_process_student_equals_one_process(distilled, tmp_path, layout):
+def test_two_process_student_equals_one_process(distilled, students, tmp_path, layout):
     """FSDP2 (each rank half the batch), TP2 (the soft loss on vocabulary-sharded logits) and PP2 (the soft
     targets packed with the labels, split into 2 micro-batches and carried to the last stage) students."""
-    root, _, students = distilled
+    root, _ = distilled
     run_trainer(tmp_path / "two", 2, *_job(root), "--training.steps", "30", "--job.seed", "1", *layout,
                 "--distill.path", str(root / "side"), "--distill.alpha", "0.9")
     two = losses(tmp_path / "two")
@@ -110,7 +135,7 @@ def test_mode_student_under_expert_parallelism_equals_ep1(distilled, tmp_path):
     """A MoDE student distilled from the dense teacher's sidecars: experts sharded over 2 ranks (all-to-all
     dispatch) gives the losses of the same 2 data-parallel ranks with every expert local. (The Switch
     balancing loss is per rank, so EP is compared at the same data-parallel degree.)"""
-    root, _, _ = distilled
+    root, _ = distilled
     mode = ["--model.n_experts", "4", "--model.top_k", "2", "--model.moe_hidden", "32", "--training.steps", "8",
             "--training.local_batch_size", "2", "--job.seed", "1", "--distill.path", str(root / "side"),
             "--distill.alpha", "0.9"]
@@ -125,7 +150,7 @@ def test_mode_student_under_expert_parallelism_equals_ep1(distilled, tmp_path):
 
 
 def test_teacher_pass_resumes_to_the_same_bytes(distilled, tmp_path):
-    root, _, _ = distilled
+    root, _ = distilled
     shard = root / "data" / "train" / "train_1.bin"
     full = sidecar_path(root / "side", shard).read_bytes()
     out = tmp_path / "side"
@@ -145,7 +170,7 @@ def test_teacher_pass_resumes_to_the_same_bytes(distilled, tmp_path):
 @pytest.mark.slow
 def test_teacher_pass_under_fsdp2_writes_the_same_sidecars(distilled, tmp_path):
     """The teacher checkpoint loads sharded over 2 processes (another batch too): the same bytes."""
-    root, _, _ = distilled
+    root, _ = distilled
     proc = _teacher_pass(root, tmp_path / "side", "--batch", "8", nproc=2)
     assert proc.returncode == 0, proc.stderr[-2000:]
     for name in ("train_0.bin.topk", "train_1.bin.topk"):
@@ -153,7 +178,7 @@ def test_teacher_pass_under_fsdp2_writes_the_same_sidecars(distilled, tmp_path):
 
 
 def test_corrupted_or_misaligned_sidecars_give_one_line(distilled, tmp_path):
-    root, _, _ = distilled
+    root, _ = distilled
     for case in ("corrupt", "truncate", "swap"):
         side_dir = tmp_path / case
         shutil.copytree(root / "side", side_dir)
@@ -176,7 +201,7 @@ def test_corrupted_or_misaligned_sidecars_give_one_line(distilled, tmp_path):
 
 def test_sidecars_of_different_k_are_refused(distilled, tmp_path):
     """A teacher pass rerun with another --k over part of the shards: refused when the set opens, naming both."""
-    root, _, _ = distilled
+    root, _ = distilled
     side_dir = tmp_path / "side"
     shutil.copytree(root / "side", side_dir)
     shards = sorted((root / "data" / "train").glob("train_*.bin"))

@@ -71,8 +71,11 @@ def test_expert_parallel_matches_ep1(request, ep1_runs, tmp_path, nproc, ep):
 
 # Under EP every MoDE block is recomputed in full whichever AC mode is set (op-level selective checkpointing
 # cannot wrap its FSDP units: parallel/activation_checkpoint.py), and every mode_debug block is a MoDE block:
-# the full-AC run wraps the blocks exactly as the selective one does (which also takes the fallback), hence slow.
-@pytest.mark.parametrize("ac", ["selective", pytest.param("full", marks=pytest.mark.slow)])
+# the full-AC run wraps the blocks exactly as the selective one does (which also takes the fallback). Both are
+# in the slow tier: compiling on 2 CPU cores costs over a minute, and compiled EP 2 / EP 4 (with and without
+# activation checkpointing) = EP 1 runs on NCCL in the multigpu tier (tests/multigpu/test_ep_nccl.py).
+@pytest.mark.slow
+@pytest.mark.parametrize("ac", ["selective", "full"])
 def test_compiled_expert_parallel_matches_ep1(ep1_runs, tmp_path, ac):
     """Compiled under EP, a MoDE block's attention, routing and combine are graphs and the experts (all-to-all,
     their own FSDP unit) run eagerly between them; with activation checkpointing the block, all-to-alls
