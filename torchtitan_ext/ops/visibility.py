@@ -94,16 +94,10 @@ def flex_block_mask(start: torch.Tensor, limit: torch.Tensor):
     from torch.nn.attention.flex_attention import create_block_mask
 
     batch, seq = start.shape
-    if batch == 1:
-        start_row, limit_row = start[0], limit[0]
-
-        def shared_mask_mod(b, h, q, k):
-            return (start_row[k] <= q) & (q < limit_row[k])
-
-        return create_block_mask(shared_mask_mod, None, None, seq, seq, device=start.device)
 
     def mask_mod(b, h, q, k):
-        return (start[b, k] <= q) & (q < limit[b, k])
+        row = b if batch > 1 else 0
+        return (start[row, k] <= q) & (q < limit[row, k])
 
     return create_block_mask(mask_mod, batch, None, seq, seq, device=start.device)
 
