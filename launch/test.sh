@@ -25,7 +25,9 @@ for arg in "$@"; do
     case "$arg" in
         --all) tier=() ;;
         -m|-m=*) tier=(); args+=("$arg") ;;
-        multigpu*) args+=("$arg"); workers=() ;;  # one process: its JobPool shares the GPUs among all jobs
+        # one process: its JobPool shares the GPUs among all jobs, each with its own deadline (a test may wait
+        # for its job longer than the CI tier's per-test limit)
+        multigpu*) args+=("$arg" --timeout=0); workers=() ;;
         *) args+=("$arg") ;;
     esac
 done

@@ -19,6 +19,12 @@ LONGEST_FIRST = ("test_mode_tensor_parallel.py", "test_parallel_layouts.py", "te
                  "test_train_fsdp_resume.py", "test_attention_feature_runs.py")
 
 
+# On CPU (CI: 2 cores, two pytest workers) inductor compiles in the calling process, in this one and in every
+# trainer it starts, instead of starting a pool of compile worker processes for each.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: file order kept

@@ -6,6 +6,7 @@ import os
 import socket
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -40,14 +41,21 @@ def _worker(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, a
     os._exit(0)
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` in ``world_size`` spawned gloo processes.
 
-    ``fn`` must be a module-level function. Returns the per-rank return values, rank order.
+    ``fn`` must be a module-level function. Returns the per-rank return values, rank order. Ranks still running
+    after ``timeout`` seconds (a collective that never completes) are killed and the call fails naming ``fn``.
     """
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(
+        context = mp.start_processes(
             _worker, args=(fn, world_size, free_port(), out_dir, args), nprocs=world_size,
-            join=True, start_method="spawn",
+            join=False, start_method="spawn",
         )
+        deadline = time.monotonic() + timeout
+        while not context.join(timeout=max(deadline - time.monotonic(), 0)):
+            if time.monotonic() >= deadline:
+                for process in context.processes:
+                    process.kill()
+                raise AssertionError(f"{fn.__name__} on {world_size} gloo processes did not finish in {timeout:.0f} s")
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]

@@ -24,20 +24,16 @@ from torchtitan_ext.train.__main__ import main
 pytestmark = pytest.mark.usefixtures("restore_signal_handlers")
 
 
-
-
-
-
-
-
-
 def _start(dump: Path, *overrides: str) -> subprocess.Popen:
-    """A long one-process run (checkpoints every 2 steps), its output read line by line."""
+    """A long one-process run (checkpoints every 2 steps), its output read line by line; its stderr goes to a
+    file beside ``dump`` (a pipe nobody reads until the end could fill and stop the run)."""
     cmd = [sys.executable, "-m", "torchtitan_ext.train", *TINY, "--job.dump_folder", str(dump), *CKPT_EVERY_2,
            "--training.steps", "1000", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
     env.pop("RANK", None)
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    dump.parent.mkdir(parents=True, exist_ok=True)
+    with open(dump.parent / "stderr.log", "w") as stderr:
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
 
 
 def _wait_for_step(proc: subprocess.Popen, step: int) -> list[str]:
@@ -52,9 +48,9 @@ def _wait_for_step(proc: subprocess.Popen, step: int) -> list[str]:
     raise AssertionError("timed out")
 
 
-def _finish(proc: subprocess.Popen) -> tuple[int, str, str]:
-    out, err = proc.communicate(timeout=300)
-    return proc.returncode, out, err
+def _finish(proc: subprocess.Popen, dump: Path) -> tuple[int, str, str]:
+    out, _ = proc.communicate(timeout=300)
+    return proc.returncode, out, (dump.parent / "stderr.log").read_text()
 
 
 def test_ctrl_c_in_training_finishes_the_step_saves_and_exits_0(tmp_path):
@@ -64,7 +60,7 @@ def test_ctrl_c_in_training_finishes_the_step_saves_and_exits_0(tmp_path):
         _wait_for_step(proc, 3)  # step-2 is published (synchronous save) before step 3 is logged
         before = file_checksums(dump / "checkpoint")
         proc.send_signal(signal.SIGINT)
-        code, out, err = _finish(proc)
+        code, out, err = _finish(proc, dump)
     finally:
         proc.kill()
     assert code == 0, err[-3000:]
@@ -89,7 +85,7 @@ def test_second_ctrl_c_stops_at_once_with_one_line(tmp_path):
         proc.send_signal(signal.SIGINT)
         time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
-        code, out, err = _finish(proc)
+        code, out, err = _finish(proc, dump)
     finally:
         proc.kill()
     assert code == EXIT_INTERRUPTED, out[-2000:] + err[-3000:]
