@@ -26,6 +26,9 @@ if not torch.cuda.is_available():
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "slow" in item.keywords and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(2400))  # convergence comparisons: the CI tier's 15 minutes is short
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: file order kept
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -147,3 +147,20 @@ def test_keyboard_interrupt_inside_a_load_is_not_damage(checkpointed_run, tmp_pa
     assert err.strip().splitlines()[-1] == "error: interrupted (SIGINT): stopped at once"
     assert "unreadable" not in out + err and "moved" not in out + err
     assert file_checksums(dump) == before
+
+
+def test_an_in_process_run_puts_the_signal_handlers_back(tmp_path, capsys):
+    """A run called in process leaves the caller's handlers as they were: a stop-request handler left behind
+    was inherited by a process forked later (data.prepare's pool workers), which then outlived SIGTERM."""
+
+    def callers(signum, frame):
+        pass
+
+    signal.signal(signal.SIGTERM, callers)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    before_int = signal.getsignal(signal.SIGINT)
+    code, out, err = _run(capsys, tmp_path / "run", "--training.steps", "2")
+    assert code == 0, err[-3000:]
+    assert signal.getsignal(signal.SIGTERM) is callers
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN
+    assert signal.getsignal(signal.SIGINT) is before_int

@@ -119,7 +119,7 @@ class Plan:
 
 
 @functools.lru_cache(maxsize=4)
-def _param_groups(args: ModelArgs) -> dict[str, int]:
+def param_groups(args: ModelArgs) -> dict[str, int]:
     """Parameter counts of the real module tree (meta device): blocks' matrices, experts, routers, norms,
     embedding, head, per layer for the block ones. Cached: a layout search plans one model thousands of times
     and building a 94-layer model on the meta device takes a second."""
@@ -186,7 +186,7 @@ class _Job:
         # The tokenizer's vocabulary without building it (the builtin one is trained on first use).
         args = resolve_model_args(cfg, vocab_size_of(cfg.data.tokenizer, cfg.data.tokenizer_vocab_size))
         check_trainer_layout(cfg, args, dims)
-        g, t = _param_groups(args), cfg.training
+        g, t = param_groups(args), cfg.training
         self.cfg, self.dims, self.args, self.g = cfg, dims, args, g
         self.layers = math.ceil(args.n_layers / dims.pp)
         self.frac_layers = self.layers / args.n_layers

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 from torchtitan_ext.config.job_config import JobConfig
 from torchtitan_ext.errors import ConfigError, UserError
-from torchtitan_ext.plan.estimate import GIB, Plan, _param_groups, plan
+from torchtitan_ext.plan.estimate import GIB, Plan, param_groups, plan
 
 # Share of the step's compute that op-level selective AC adds (1b, fused CE: 90,811 vs 93,644 tokens/s).
 SELECTIVE_RECOMPUTE = 0.03
@@ -132,7 +132,7 @@ def step_time(cfg: JobConfig, p: Plan, hw: Hardware) -> StepTime:
     per_token = flops_per_token(active, a.n_layers, a.n_heads, a.hdim, t.seq_len)
     compute = per_token * tokens / p.world / (hw.peak_flops * hw.mfu)
     if cfg.float8.enabled and (speedup := FLOAT8_GEMM_SPEEDUP.get(cfg.float8.recipe)):
-        groups = _param_groups(a)
+        groups = param_groups(a)
         share = 6 * (groups["matrices"] + (groups["head"] if cfg.float8.include_output else 0)) / per_token
         compute *= 1 - share + share / speedup
     if ac.mode == "full":

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from torchtitan_ext.cli import run_tool, setup_logging
+from torchtitan_ext.config.job_config import JobConfig
 from torchtitan_ext.config.loader import help_text, parse_args
 
 log = logging.getLogger("torchtitan_ext.train")
@@ -33,6 +34,13 @@ def _train(argv: list[str]) -> int:
         print(help_text())
         return 0
     cfg = parse_args(argv)
+    from torchtitan_ext.train.preemption import handlers_restored
+
+    with handlers_restored():
+        return _run(cfg)
+
+
+def _run(cfg: JobConfig) -> int:
     from torchtitan_ext.checkpoint.run_folder import NothingToTrain, claim
     from torchtitan_ext.metrics.logger import rank_log
     from torchtitan_ext.metrics.wandb_sink import check_tracking

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import FrameType
 
 import torch
@@ -43,6 +45,22 @@ class InterruptedAgain(StartupInterrupted):
     """A second Ctrl-C while the job was already stopping: it ends at once, without saving; exit code 130."""
 
     exit_code = EXIT_INTERRUPTED
+
+
+@contextmanager
+def handlers_restored() -> Iterator[None]:
+    """The process's handlers of ``SIGNALS`` put back as they were when the run ends. A run called in process (a
+    test, a notebook) otherwise leaves its stop-request handler behind, and a process forked later inherits it:
+    a ``multiprocessing`` pool's worker then survives the SIGTERM that ``Pool.terminate`` ends it with."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.getsignal(sig) for sig in SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 def raise_on_signal() -> None:

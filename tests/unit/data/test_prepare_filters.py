@@ -4,12 +4,15 @@ of our checkpoints, crash resume, and one-line errors on bad input."""
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
 import sysconfig
 from pathlib import Path
 
 import numpy as np
 
+import torchtitan_ext.data.prepare as prepare_lib
 import torchtitan_ext.tools.prepare as prep
 from torchtitan_ext.data.filters import SHINGLE, NearDuplicates
 from torchtitan_ext.data.shards import read_shard
@@ -113,3 +116,34 @@ def test_crash_resume_and_bad_input_keep_what_was_written(tmp_path, capsys, monk
     assert prep.main(["--input", str(tmp_path / "*.txt"), "--output", str(tmp_path / "q")]) == 0
     assert f"warning: {tmp_path / 'empty.txt'}: empty file, skipped" in capsys.readouterr().err
     assert _docs_of(tmp_path / "q") == ["fine now"]
+
+
+
+
+def test_workers_keep_the_default_sigterm_whatever_the_caller_handles(tmp_path, capsys, monkeypatch):
+    """``Pool.terminate`` ends the workers by SIGTERM alone: one waiting for the task queue's lock (the pool
+    holds it while it stops) had inherited the handler of a trainer run earlier in the same process, survived
+    the signal, and the pool waited for it for ever (CI hung in the test above; by hand, under pytest with a
+    SIGTERM handler installed, one run in eight). Every worker must start with SIGTERM at its default action."""
+    real = prepare_lib._init_worker
+
+    def recording(*args):
+        (tmp_path / f"worker-{os.getpid()}").write_text(str(signal.getsignal(signal.SIGTERM)))
+        real(*args)
+
+    def caller_handler(signum, frame):
+        pass
+
+    monkeypatch.setattr(prepare_lib, "_init_worker", recording)
+    previous = signal.signal(signal.SIGTERM, caller_handler)
+    try:
+        base, special = _corpus()
+        (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in base))
+        assert prep.main(["--input", str(tmp_path / "in.jsonl"), "--output-dir", str(tmp_path / "out"),
+                          "--workers", "2", "--chunk-docs", "3"]) == 0
+        assert signal.getsignal(signal.SIGTERM) is caller_handler  # the caller's own is left as it was
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    seen = [f.read_text() for f in tmp_path.glob("worker-*")]
+    assert len(seen) == 2 and set(seen) == {str(signal.SIG_DFL)}, seen
+    assert _docs_of(tmp_path / "out") == base

@@ -259,12 +259,16 @@ def prepare(opts, hooks: Hooks | None = None) -> dict | None:
     pool = None
     if opts.workers > 1:
         # Workers start with SIGINT ignored (also before their initializer runs): a Ctrl-C reaches the
-        # terminal's whole process group, and only the main process acts on it.
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # terminal's whole process group, and only the main process acts on it. SIGTERM keeps its default
+        # action in them whatever handler this process has (a trainer's stop request): ``Pool.terminate``
+        # ends a worker waiting for the task queue's lock, which it holds, by SIGTERM alone.
+        previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN),
+                    signal.SIGTERM: signal.signal(signal.SIGTERM, signal.SIG_DFL)}
         try:
             pool = ctx.Pool(opts.workers, _init_worker, init)
         finally:
-            signal.signal(signal.SIGINT, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     else:
         _init_worker(*init)
     try:
