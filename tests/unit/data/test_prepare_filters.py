@@ -144,6 +144,8 @@ def test_workers_keep_the_default_sigterm_whatever_the_caller_handles(tmp_path, 
         assert signal.getsignal(signal.SIGTERM) is caller_handler  # the caller's own is left as it was
     finally:
         signal.signal(signal.SIGTERM, previous)
+    # Each worker that started writes its disposition (a worker the pool ends before it runs its initializer,
+    # the work being done, writes nothing).
     seen = [f.read_text() for f in tmp_path.glob("worker-*")]
-    assert len(seen) == 2 and set(seen) == {str(signal.SIG_DFL)}, seen
+    assert seen and set(seen) == {str(signal.SIG_DFL)}, seen
     assert _docs_of(tmp_path / "out") == base
