@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import signal
 import subprocess
 
 import pytest
 from trainer_utils import CKPT_EVERY_2, run_trainer
+
+from torchtitan_ext.train.preemption import handlers_restored
 
 
 @pytest.fixture(scope="session")
@@ -31,11 +32,10 @@ def checkpointed_run(tmp_path_factory):
 
 @pytest.fixture
 def restore_signal_handlers():
-    """In-process trainer runs install their own SIGTERM / SIGUSR1 / SIGINT handlers: put pytest's back."""
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
+    """Tests that install SIGTERM / SIGUSR1 / SIGINT handlers themselves, or build a trainer without the entry
+    point (which restores them): pytest's are put back."""
+    with handlers_restored():
+        yield
 
 
 @pytest.fixture

@@ -25,12 +25,7 @@ from torchtitan_ext.train.__main__ import main
 CKPT = ["--checkpoint.enabled", "true", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0"]
 
 
-@pytest.fixture(autouse=True)
-def _restore_signal_handlers():
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
+pytestmark = pytest.mark.usefixtures("restore_signal_handlers")
 
 
 @pytest.fixture(scope="module")

@@ -118,9 +118,7 @@ def test_crash_resume_and_bad_input_keep_what_was_written(tmp_path, capsys, monk
     assert _docs_of(tmp_path / "q") == ["fine now"]
 
 
-
-
-def test_workers_keep_the_default_sigterm_whatever_the_caller_handles(tmp_path, capsys, monkeypatch):
+def test_workers_keep_the_default_sigterm_whatever_the_caller_handles(tmp_path, monkeypatch):
     """``Pool.terminate`` ends the workers by SIGTERM alone: one waiting for the task queue's lock (the pool
     holds it while it stops) had inherited the handler of a trainer run earlier in the same process, survived
     the signal, and the pool waited for it for ever (CI hung in the test above; by hand, under pytest with a
@@ -137,7 +135,7 @@ def test_workers_keep_the_default_sigterm_whatever_the_caller_handles(tmp_path, 
     monkeypatch.setattr(prepare_lib, "_init_worker", recording)
     previous = signal.signal(signal.SIGTERM, caller_handler)
     try:
-        base, special = _corpus()
+        base, _ = _corpus()
         (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in base))
         assert prep.main(["--input", str(tmp_path / "in.jsonl"), "--output-dir", str(tmp_path / "out"),
                           "--workers", "2", "--chunk-docs", "3"]) == 0
