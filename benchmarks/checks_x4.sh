@@ -6,8 +6,10 @@
 #
 # Usage (repository root, torchao importable for the float8 tests):  bash benchmarks/checks_x4.sh OUT_DIR
 #   env: DEADLINE_S (560): every part is stopped by then; PARTS (all: "suite squinch faults probe");
-#        SUITE_K: a pytest -k expression selecting part of the multigpu tier. The tier's job logs (each
-#        torchrun job's output, finished or not) come back in OUT_DIR/suite_logs.tgz
+#        SUITE_K: a pytest -k expression selecting part of the multigpu tier; SUITE_PARTS instead: parts run
+#        side by side as separate pytest processes, "PATH|K-EXPRESSION" each, separated by ";" (e.g.
+#        "tests/multigpu/test_squinch_nccl.py;tests/multigpu/test_layouts_nccl.py|zb or killed"). The tier's
+#        job logs (each torchrun job's output, finished or not) come back in OUT_DIR/suite_logs.tgz
 set -uo pipefail
 case ${1:-} in
     -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
@@ -27,9 +29,23 @@ W=$(mktemp -d /tmp/checks_x4.XXXXXX)
 pids=()
 for part in $PARTS; do
     case $part in
-        suite) MULTIGPU_REPORT=$OUT/multigpu.jsonl timeout "$DEADLINE" launch/test.sh -m multigpu -q -rA \
-                   --durations=15 --junitxml="$OUT/junit.xml" --basetemp="$W/suite" ${SUITE_K:+-k "$SUITE_K"} \
-                   > "$OUT/suite.log" 2>&1 & ;;
+        suite) if [ -z "${SUITE_PARTS:-}" ]; then
+                   MULTIGPU_REPORT=$OUT/multigpu.jsonl timeout "$DEADLINE" launch/test.sh -m multigpu -q -rA \
+                       --durations=15 --junitxml="$OUT/junit.xml" --basetemp="$W/suite" ${SUITE_K:+-k "$SUITE_K"} \
+                       > "$OUT/suite.log" 2>&1 &
+               else
+                   i=0
+                   IFS=';' read -ra suite_parts <<< "$SUITE_PARTS"
+                   for one in "${suite_parts[@]}"; do
+                       i=$((i + 1))
+                       path=${one%%|*}; kexpr=${one#*|}; [ "$kexpr" = "$one" ] && kexpr=""
+                       MULTIGPU_REPORT=$OUT/multigpu.jsonl timeout "$DEADLINE" launch/test.sh -m multigpu -q -rA \
+                           --durations=15 --junitxml="$OUT/junit_$i.xml" --basetemp="$W/suite/p$i" \
+                           $path ${kexpr:+-k "$kexpr"} > "$OUT/suite_$i.log" 2>&1 &
+                       pids+=("$!")
+                   done
+                   continue
+               fi ;;
         squinch) STEPS=300 LIMIT=$(( DEADLINE / 2 - 10 )) RUNS="nodes2_bf16 nodes2_squinch" timeout "$DEADLINE" \
                    bash benchmarks/bench_squinch_hsdp.sh "$W/squinch" > "$OUT/squinch.log" 2>&1 & ;;
         faults) timeout "$DEADLINE" python3 benchmarks/two_nodes_faults.py "$W/faults" > "$OUT/faults.log" 2>&1 & ;;
