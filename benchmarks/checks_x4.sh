@@ -34,7 +34,7 @@ for part in $PARTS; do
                        --durations=15 --junitxml="$OUT/junit.xml" --basetemp="$W/suite" ${SUITE_K:+-k "$SUITE_K"} \
                        > "$OUT/suite.log" 2>&1 &
                else
-                   i=0
+                   i=0; mkdir -p "$W/suite"
                    IFS=';' read -ra suite_parts <<< "$SUITE_PARTS"
                    for one in "${suite_parts[@]}"; do
                        i=$((i + 1))
