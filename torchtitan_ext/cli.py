@@ -9,11 +9,12 @@ import logging
 import math
 import os
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
-from torchtitan_ext.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_STOPPED, EXIT_USER, RunStopped, UserError
+from torchtitan_ext.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_STOPPED, EXIT_USER, RunStopped, UserError
 
 
 class _CurrentStream(logging.StreamHandler):
@@ -155,7 +156,8 @@ def user_error(e: ValueError) -> UserError:
 
 def run_tool(main: Callable[[list[str]], int | None], argv: list[str] | None = None) -> int:
     """Run ``main(argv)``; a user mistake is one line and exit code 2, a run that stopped itself one line and
-    exit code 3. The process group, if one was started, is destroyed either way."""
+    exit code 3; the process group, if one was started, is destroyed. An unexpected exception on a rank of a
+    multi-process job prints its traceback and ends the process at once (exit code 1)."""
     import torch.distributed as dist
 
     argv = sys.argv[1:] if argv is None else argv
@@ -176,6 +178,15 @@ def run_tool(main: Callable[[list[str]], int | None], argv: list[str] | None = N
     except KeyboardInterrupt:  # Ctrl-C where the tool has not taken over the signal (imports, config parsing)
         print("error: interrupted (SIGINT): stopped at once", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
+    except Exception:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # The other ranks may wait in a collective or a pipeline receive this rank will never join, and
+            # destroying an NCCL process group with work in flight waits for them: a pipeline schedule's error
+            # on one rank hung its job until the test's timeout on 4 H200s. Leave at once instead; torchrun
+            # then stops the other workers.
+            traceback.print_exc()
+            exit_now(EXIT_FAILED)
+        raise
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

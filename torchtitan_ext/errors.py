@@ -9,6 +9,7 @@ from __future__ import annotations
 import signal
 
 EXIT_OK = 0  # done, or stopped by a preemption signal (after saving, or before anything was written)
+EXIT_FAILED = 1  # an unexpected exception on one rank of a multi-process job: its traceback, then at once
 EXIT_USER = 2  # a UserError: one line
 EXIT_STOPPED = 3  # a RunStopped: the run protected its checkpoints
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # a second Ctrl-C (or one before the tool took the signal over): at once

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -136,15 +137,34 @@ def log_tail(dump: Path, chars: int = 6000) -> str:
     return path.read_text(errors="replace")[-chars:] if path.is_file() else "(no log)"
 
 
+JOB_TIMEOUT = float(os.environ.get("MULTIGPU_JOB_TIMEOUT", 480))
+
+
+def worker_stacks(agent: subprocess.Popen) -> str:
+    """Every worker's Python stack (``py-spy dump``), where py-spy is installed: what a hung job waits on."""
+    spy = shutil.which("py-spy")
+    if spy is None:
+        return "(no py-spy on PATH: no stacks)"
+    dumps = []
+    for pid in children(agent.pid):
+        out = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60)
+        dumps.append(f"--- worker {pid}\n{out.stdout}{out.stderr}")
+    return "\n".join(dumps)
+
+
 def run_trainer(dump: Path, nproc: int, *overrides: str, gpus: list[int] | None = None, check: bool = True,
-                timeout: float = 480, max_restarts: int = 0) -> int:
-    """Run the job to its end; its exit code (an AssertionError with the log's tail when ``check`` and not 0)."""
+                timeout: float = JOB_TIMEOUT, max_restarts: int = 0) -> int:
+    """Run the job to its end; its exit code (an AssertionError with the log's tail when ``check`` and not 0;
+    on a timeout, with the workers' stacks too)."""
     proc = start_trainer(dump, nproc, *overrides, gpus=gpus, max_restarts=max_restarts)
     try:
         code = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
+        stacks = worker_stacks(proc)
+        Path(f"{dump}.stacks").write_text(stacks)
         kill_job(proc)
-        raise AssertionError(f"trainer timed out after {timeout} s:\n{log_tail(dump)}") from None
+        raise AssertionError(f"trainer timed out after {timeout} s:\n{log_tail(dump)}\nworker stacks:\n"
+                             f"{stacks[-20000:]}") from None
     if check and code != 0:
         raise AssertionError(f"trainer failed ({code}):\n{log_tail(dump)}")
     return code
