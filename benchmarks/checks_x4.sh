@@ -57,5 +57,5 @@ done
 for pid in "${pids[@]}"; do wait "$pid"; done
 # The per-step losses of the bed runs, small enough to bring back.
 find "$W" -name metrics.jsonl -not -path "$W/suite/*" | tar czf "$OUT/metrics.tgz" -T - 2>/dev/null
-[ -d "$W/suite" ] && find "$W/suite" -name "*.log" | tar czf "$OUT/suite_logs.tgz" -T - 2>/dev/null
+[ -d "$W/suite" ] && find "$W/suite" \( -name "*.log" -o -name "*.stacks" \) | tar czf "$OUT/suite_logs.tgz" -T - 2>/dev/null
 echo "checks_x4: done after $SECONDS s; $(ls "$OUT")"
