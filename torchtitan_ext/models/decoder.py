@@ -178,10 +178,11 @@ class Decoder(nn.Module):
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
         self.return_hidden = options.return_hidden
-        # When attention needs its LSE without a mask (Z-reg, the LSE metric), on CUDA the causal attention
-        # runs FlexAttention with a causal BlockMask, which returns it.
+        # When attention needs a differentiable LSE without a mask (Z-reg), on CUDA the causal attention runs
+        # FlexAttention with a causal BlockMask, which returns it (the LSE metric alone: ops.attention_lse).
         self.z_reg = options.attention_z_reg
         self.causal_flex = self.z_reg > 0
+        self.input_sequence_shards = 1  # a later pipeline stage's slice of the sequence (set_input_sequence_shards)
         cos, sin = rope_tables(args, device=torch.device("meta"))
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -196,12 +197,16 @@ class Decoder(nn.Module):
             elif isinstance(module, Attention):
                 module.virtual_grad_scale = virtual
 
+    def set_input_sequence_shards(self, n: int) -> None:
+        """A pipeline stage without the embedding under sequence parallelism takes 1/n of each sequence's
+        hidden states; its attention sees the whole (gathered) sequence, and its causal mask must too."""
+        self.input_sequence_shards = n
+
     def record_attention_lse(self, on: bool) -> None:
         """Record each attention's mean LSE in the coming forward pass (``Attention.lse_mean``)."""
         for module in self.modules():
             if isinstance(module, Attention):
                 module.record_lse, module.lse_mean = on, None
-        self.causal_flex = on or self.z_reg > 0
 
     def init_buffers(self, device: torch.device) -> None:
         """Fill the buffers after ``to_empty``: RoPE tables, MoDE routing bias and load counters."""
@@ -223,7 +228,7 @@ class Decoder(nn.Module):
             rope = rope_at(self.args, positions)
         mask = build_mask(*visibility) if visibility is not None else None
         if mask is None and self.causal_flex and tokens.is_cuda:  # built here, outside the compiled blocks
-            mask = causal_block_mask(tokens.shape[1], tokens.device)
+            mask = causal_block_mask(tokens.shape[1] * self.input_sequence_shards, tokens.device)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         kv = None  # each KV-sharing group's (k, v), from its first layer to the rest
         for layer in self.layers.values():

@@ -78,5 +78,29 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, need
 @torch.no_grad()
 def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None,
                   scale: float | None = None) -> torch.Tensor:
-    """The LSE alone (for the metric on the fast path), without touching autograd."""
+    """The LSE alone (for the metric on the fast path), without touching autograd. Causal attention (no mask)
+    gets it from ``causal_lse``: a log step runs the same attention kernel as any other step."""
+    if mask is None:
+        return causal_lse(q, k, scale)
     return attention(q, k, v, mask, need_lse=True, scale=scale)[1]
+
+
+def causal_lse(q: torch.Tensor, k: torch.Tensor, scale: float | None = None,
+               max_scores: int = 1 << 28) -> torch.Tensor:
+    """The causal LSE (batch, heads, seq) from the logits, a block of queries at a time (at most
+    ``max_scores`` float32 logits at once): no FlexAttention (compiled even in an eager run, so its backward
+    cannot run twice, as a zero-bubble pipeline schedule's split backward does) and no (seq x seq) buffer for
+    every head at once."""
+    b, h, t, d = q.shape
+    hk = k.shape[1]
+    qg = q.view(b, hk, h // hk, t, d)
+    keys_t = k[:, :, None].transpose(-1, -2)  # (b, hk, 1, d, t): each K/V head serves its group of queries
+    scale = d ** -0.5 if scale is None else scale
+    rows_per_block = max(1, min(t, max_scores // max(1, b * h * t)))
+    lse = []
+    for first in range(0, t, rows_per_block):
+        last = min(first + rows_per_block, t)
+        scores = (qg[..., first:last, :] @ keys_t[..., :last]).float() * scale  # (b, hk, group, rows, last)
+        later = torch.arange(last, device=q.device)[None] > torch.arange(first, last, device=q.device)[:, None]
+        lse.append(torch.logsumexp(scores.masked_fill(later, float("-inf")), dim=-1))
+    return torch.cat(lse, dim=-1).reshape(b, h, t)

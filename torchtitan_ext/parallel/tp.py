@@ -54,6 +54,8 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, loss_parallel: bool) -> None:
     root_plan = {}
     if model.tok_embeddings is not None:
         root_plan["tok_embeddings"] = SyncRowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    else:  # a later pipeline stage: its input is this rank's slice of the sequence
+        model.set_input_sequence_shards(mesh.size())
     if model.norm is not None:
         root_plan["norm"] = SequenceParallel()
         root_plan["output"] = ColwiseParallel(input_layouts=Shard(1),

@@ -268,3 +268,44 @@ def test_home_paths_expand_for_trees_and_chat(tmp_path, monkeypatch):
     (tmp_path / "chats" / "a.jsonl").write_text("")
     expected = [tmp_path / "chats" / "a.jsonl"]
     assert _files("~/chats/*.jsonl", "data.train_path") == expected == _files("~/chats", "data.train_path")
+
+
+@pytest.mark.parametrize("max_scores", [1 << 28, 2 * 4 * 37 * 5])  # one block of queries; blocks of 5 rows
+def test_causal_lse_matches_float64_logits(max_scores):
+    """The LSE metric's causal path (no FlexAttention), GQA and a custom scale, in one block or several:
+    the float64 log-sum-exp of the causally masked logits."""
+    from torchtitan_ext.ops.attention import causal_lse
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 37, 8, generator=g), torch.randn(2, 2, 37, 8, generator=g)
+    logits = (q.double() @ k.double().repeat_interleave(2, dim=1).transpose(-1, -2)) * 0.3
+    causal = torch.ones(37, 37, dtype=torch.bool).tril()
+    expected = torch.logsumexp(logits.masked_fill(~causal, float("-inf")), dim=-1)
+    torch.testing.assert_close(causal_lse(q, k, 0.3, max_scores=max_scores).double(), expected,
+                               rtol=1e-5, atol=1e-5)
+
+
+def _stage_shards(rank: int, world: int) -> tuple[int, int]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torchtitan_ext.parallel.tp import apply_tp
+
+    mesh = init_device_mesh("cpu", (world,))
+    shards = []
+    for first_stage in (True, False):
+        with torch.device("meta"):
+            model = Decoder(ARGS)
+        if not first_stage:
+            model.tok_embeddings = None  # a later pipeline stage (parallel.pp.split_stages)
+        apply_tp(model, mesh, False)
+        shards.append(model.input_sequence_shards)
+    return tuple(shards)
+
+
+def test_a_later_pipeline_stage_sizes_its_causal_mask_for_the_whole_sequence():
+    """Under TP x PP a later stage takes its rank's slice of each sequence (local length seq / tp): its causal
+    mask must be built for the whole sequence, which its attention sees after the all-gather (on 4 H200s the
+    stage built a mask for half the length and FlexAttention refused it). The first stage takes tokens."""
+    from dist_utils import run_distributed
+
+    assert run_distributed(_stage_shards, 2) == [(1, 2), (1, 2)]
