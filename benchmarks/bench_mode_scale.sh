@@ -15,7 +15,9 @@
 #              old, new on the same machine
 #   OUT_DIR    where the small result files go (summary.jsonl, profile_ep4.{txt,json}, logs.tar.gz); the run
 #              folders stay in WORK (default /tmp/bench_mode_scale)
-#   EXTRA      trainer overrides added to every run of ours, e.g. EXTRA="--model.bias_update_rate 0.001"
+#   EXTRA      trainer overrides added to every run of ours, e.g. EXTRA="--model.bias_update_rate 0.001", or
+#              EXTRA="--model.force_balanced_routing true" (round-robin experts: the EP path at perfect balance,
+#              apart from the router's load imbalance early in training)
 #   STEPS (25), COMPILE (true), LIMIT (seconds per run, default 170), DEADLINE (seconds for the whole script,
 #              default 560: a run starts only with 60 s left and is cut at the deadline, so the call returns results)
 #   --smoke    2 CPU processes with gloo and a tiny model (mode_debug's own shape, vocabulary 512, seq 64), eager;

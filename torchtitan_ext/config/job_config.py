@@ -78,6 +78,10 @@ class ModelSection:
     router_z_loss_coef: float | None = opt(None, "router z-loss coefficient", min=0.0)
     bias_update_rate: float | None = opt(None, "> 0 enables auxiliary-loss-free balancing (per-expert routing "
                                          "bias step)", min=0.0)
+    force_balanced_routing: bool | None = opt(None, "benchmarks only: each token's top_k experts assigned round-"
+                                              "robin (every expert gets the same load) instead of by the router, "
+                                              "whose probabilities at those experts still weight the outputs: "
+                                              "the speed of the MoE path at perfect balance")
     kv_share: str | None = opt(None, "interleaved: in each group of kv_share_group consecutive layers only the "
                                "first computes K and V, the others reuse them; none: every layer computes its own",
                                choices=("none", "interleaved"))

@@ -67,7 +67,9 @@ _HF_KEYS = {"vocab_size": "vocab_size", "dim": "hidden_size", "n_layers": "num_h
             "moe_hidden": "moe_intermediate_size", "renormalize_gates": "norm_topk_prob"}
 _ROPE_FIELDS = ("rope_theta", "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor",
                 "rope_high_freq_factor", "rope_original_max_seq_len")
-_OWN_KEYS = tuple(f.name for f in dataclasses.fields(ModelArgs) if f.name not in (*_HF_KEYS, *_ROPE_FIELDS))
+# ``force_balanced_routing`` (a benchmark setting) is not exported: a model out of the trainer routes by its router.
+_OWN_KEYS = tuple(f.name for f in dataclasses.fields(ModelArgs)
+                  if f.name not in (*_HF_KEYS, *_ROPE_FIELDS, "force_balanced_routing"))
 
 # Our FQN pieces -> transformers' (Llama-family naming).
 _BLOCK = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",

@@ -51,6 +51,7 @@ class ModelArgs:
     aux_loss_coef: float = 0.01  # Switch-style load-balancing loss; 0 disables
     router_z_loss_coef: float = 0.001  # logsumexp(router logits)^2
     bias_update_rate: float = 0.0  # > 0: auxiliary-loss-free balancing (per-expert routing bias)
+    force_balanced_routing: bool = False  # benchmarks: round-robin experts, the system at perfect balance
     # Interleaved cross-layer KV sharing: in each group of kv_share_group layers only the first computes K/V.
     kv_share: str = "none"  # "none" or "interleaved"
     kv_share_group: int = 2

@@ -153,6 +153,7 @@ class MoDE(nn.Module):
         self.n_experts, self.top_k, self.renormalize = args.n_experts, args.top_k, args.renormalize_gates
         self.aux_coef, self.z_coef = args.aux_loss_coef, args.router_z_loss_coef
         self.bias_update_rate = args.bias_update_rate
+        self.force_balanced_routing = args.force_balanced_routing
         self.router = nn.Linear(args.dim, args.n_experts, bias=False)
         self.experts = GroupedExperts(args.n_experts, args.dim, args.expert_hidden)
         self.shared_expert = FeedForward(args.dim, args.expert_hidden, fused=fused_activation) \
@@ -182,8 +183,12 @@ class MoDE(nn.Module):
         """x (tokens, dim) -> expert ids (tokens, k), gates (tokens, k), router logits (tokens, E) fp32."""
         logits = self.router(x).float()
         probs = logits.softmax(dim=-1)
-        scores = probs + self.expert_bias if self.bias_update_rate > 0 else probs
-        idx = scores.topk(self.top_k, dim=-1).indices
+        if self.force_balanced_routing:  # copy j of token t to expert (t * k + j) mod E: every expert alike
+            copies = torch.arange(x.shape[0] * self.top_k, device=x.device)
+            idx = (copies % self.n_experts).view(x.shape[0], self.top_k)
+        else:
+            scores = probs + self.expert_bias if self.bias_update_rate > 0 else probs
+            idx = scores.topk(self.top_k, dim=-1).indices
         gates = probs.gather(1, idx)
         if self.renormalize:
             gates = gates / gates.sum(dim=-1, keepdim=True)

@@ -322,7 +322,15 @@ def test_every_model_field_is_mapped():
         "rope_high_freq_factor", "rope_original_max_seq_len", "rope_fraction", "nope_every", "qk_norm", "norm_eps",
         "tie_embeddings", "logit_softcap", "residual_scalars", "n_experts", "top_k", "moe_hidden", "moe_every",
         "shared_expert", "renormalize_gates", "aux_loss_coef", "router_z_loss_coef", "bias_update_rate",
-        "kv_share", "kv_share_group", "parametrization", "mup_base_dim", "mup_base_head_dim"}
+        "force_balanced_routing", "kv_share", "kv_share_group", "parametrization", "mup_base_dim",
+        "mup_base_head_dim"}
+
+def test_forced_balanced_routing_is_not_exported():
+    """The benchmark-only routing stays out of config.json: an exported model routes by its router."""
+    args = dataclasses.replace(_args("everything"), force_balanced_routing=True)
+    layout = hf_layout(args)
+    assert "force_balanced_routing" not in layout.config
+    assert not args_from_config(layout.config, "config.json").force_balanced_routing
 
 
 def test_remote_code_is_self_contained():

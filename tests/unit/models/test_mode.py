@@ -69,6 +69,19 @@ def test_aux_loss_gradient_reaches_the_router_through_the_layer():
     assert layer.router.weight.grad is not None and layer.router.weight.grad.abs().sum() > 0
 
 
+def test_forced_balanced_routing_gives_every_expert_the_same_load():
+    """The benchmark setting: on the skewed layer (the router's own choice: experts 0 and 1 for nearly every
+    token) every expert gets exactly tokens x top_k / n_experts copies, each token's copies go to distinct
+    experts, and the router still gets a gradient through the gates."""
+    layer, x = _skewed_layer(force_balanced_routing=True, aux_loss_coef=0.0, router_z_loss_coef=0.0)
+    assert _skewed_layer()[0].route(x)[0].flatten().bincount(minlength=8)[:2].sum() > 0.9 * x.shape[0] * 2
+    idx, gates, _ = layer.route(x)
+    assert idx.flatten().bincount(minlength=8).tolist() == [x.shape[0] * 2 // 8] * 8
+    assert (idx[:, 0] != idx[:, 1]).all()
+    layer(x[None]).square().sum().backward()
+    assert layer.router.weight.grad.abs().sum() > 0
+
+
 def _filled_layer(args: ModelArgs, seed: int = 1) -> MoDE:
     layer = MoDE(args).double()
     for name, p in layer.named_parameters():
