@@ -88,9 +88,9 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None,
 def causal_lse(q: torch.Tensor, k: torch.Tensor, scale: float | None = None,
                max_scores: int = 1 << 27) -> torch.Tensor:
     """The causal LSE (batch, heads, seq) from the logits, a block of queries at a time (at most
-    ``max_scores`` float32 logits at once): no FlexAttention (compiled even in an eager run, so its backward
-    cannot run twice, as a zero-bubble pipeline schedule's split backward does) and no (seq x seq) buffer for
-    every head at once."""
+    ``max_scores`` float32 logits at once), beside the attention instead of replacing it: no FlexAttention
+    (compiled even in an eager run; with it in the graph the zero-bubble schedules' split backward failed on
+    GPUs) and no (seq x seq) buffer for every head at once."""
     b, h, t, d = q.shape
     hk = k.shape[1]
     qg = q.view(b, hk, h // hk, t, d)
