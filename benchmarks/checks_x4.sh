@@ -8,11 +8,12 @@
 #   env: DEADLINE_S (560): every part is stopped by then; PARTS (all: "suite squinch faults probe");
 #        SUITE_K: a pytest -k expression selecting part of the multigpu tier; SUITE_PARTS instead: parts run
 #        side by side as separate pytest processes, "PATH|K-EXPRESSION" each, separated by ";" (e.g.
-#        "tests/multigpu/test_squinch_nccl.py;tests/multigpu/test_layouts_nccl.py|zb or killed"). The tier's
-#        job logs (each torchrun job's output, finished or not) come back in OUT_DIR/suite_logs.tgz
+#        "tests/multigpu/test_squinch_nccl.py;tests/multigpu/test_layouts_nccl.py|zb or killed"). Part N
+#        writes OUT_DIR/suite_N.log and junit_N.xml; the tier's job logs (each torchrun job's output, finished
+#        or not) come back in OUT_DIR/suite_logs.tgz
 set -uo pipefail
 case ${1:-} in
-    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
     ""|-*) echo "usage: bash benchmarks/checks_x4.sh OUT_DIR (--help for more)" >&2; exit 2 ;;
 esac
 OUT=$1
@@ -38,23 +39,19 @@ fi
 pids=()
 for part in $PARTS; do
     case $part in
-        suite) if [ -z "${SUITE_PARTS:-}" ]; then
-                   MULTIGPU_REPORT=$OUT/multigpu.jsonl timeout "$DEADLINE" "${tier[@]}" -q -rA \
-                       --durations=15 --junitxml="$OUT/junit.xml" --basetemp="$W/suite" ${SUITE_K:+-k "$SUITE_K"} \
-                       > "$OUT/suite.log" 2>&1 &
-               else
-                   i=0; mkdir -p "$W/suite"
-                   IFS=';' read -ra suite_parts <<< "$SUITE_PARTS"
-                   for one in "${suite_parts[@]}"; do
-                       i=$((i + 1))
-                       path=${one%%|*}; kexpr=${one#*|}; [ "$kexpr" = "$one" ] && kexpr=""
-                       MULTIGPU_REPORT=$OUT/multigpu.jsonl timeout "$DEADLINE" "${tier[@]}" -q -rA \
-                           --durations=15 --junitxml="$OUT/junit_$i.xml" --basetemp="$W/suite/p$i" \
-                           $path ${kexpr:+-k "$kexpr"} > "$OUT/suite_$i.log" 2>&1 &
-                       pids+=("$!")
-                   done
-                   continue
-               fi ;;
+        suite) # SUITE_K alone: one part, the whole tier filtered by it
+               IFS=';' read -ra suite_parts <<< "${SUITE_PARTS:-|${SUITE_K:-}}"
+               mkdir -p "$W/suite"
+               i=0
+               for one in "${suite_parts[@]}"; do
+                   i=$((i + 1))
+                   path=${one%%|*}; kexpr=${one#*|}; [ "$kexpr" = "$one" ] && kexpr=""
+                   MULTIGPU_REPORT=$OUT/multigpu.jsonl timeout "$DEADLINE" "${tier[@]}" -q -rA --durations=15 \
+                       --junitxml="$OUT/junit_$i.xml" --basetemp="$W/suite/p$i" $path ${kexpr:+-k "$kexpr"} \
+                       > "$OUT/suite_$i.log" 2>&1 &
+                   pids+=("$!")
+               done
+               continue ;;
         squinch) STEPS=300 LIMIT=$(( DEADLINE / 2 - 10 )) RUNS="nodes2_bf16 nodes2_squinch" timeout "$DEADLINE" \
                    bash benchmarks/bench_squinch_hsdp.sh "$W/squinch" > "$OUT/squinch.log" 2>&1 & ;;
         faults) timeout "$DEADLINE" python3 benchmarks/two_nodes_faults.py "$W/faults" > "$OUT/faults.log" 2>&1 & ;;

@@ -170,6 +170,12 @@ def run_trainer(dump: Path, nproc: int, *overrides: str, gpus: list[int] | None 
     return code
 
 
+def seed_checkpoint(saved: Path, dump: Path, step: int) -> None:
+    """A fresh dump folder holding only ``saved``'s step-``step`` checkpoint: a job there resumes from it."""
+    (dump / "checkpoint").mkdir(parents=True)
+    shutil.copytree(saved / "checkpoint" / f"step-{step}", dump / "checkpoint" / f"step-{step}")
+
+
 def read_metrics(dump: Path) -> list[dict]:
     """Per-step records from metrics.jsonl (training steps only)."""
     path = dump / "metrics.jsonl"

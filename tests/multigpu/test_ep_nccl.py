@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import shutil
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -76,8 +75,7 @@ def _needs(item: pytest.Item) -> set[str]:
 
 def _resume(ckpt: Path, dump: Path, gpus: list[int]) -> Path:
     """The saved run's step-RESUME_STEP checkpoint in a fresh dump folder, continued at half the EP degree."""
-    (dump / "checkpoint").mkdir(parents=True)
-    shutil.copytree(ckpt / "checkpoint" / f"step-{RESUME_STEP}", dump / "checkpoint" / f"step-{RESUME_STEP}")
+    nu.seed_checkpoint(ckpt, dump, RESUME_STEP)
     nu.run_trainer(dump, NPROC, *_overrides(NPROC // 2, False, CKPT), gpus=gpus)
     return dump
 

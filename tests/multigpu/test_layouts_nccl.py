@@ -20,7 +20,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import shutil
 import signal
 import subprocess
 import time
@@ -84,8 +83,7 @@ def _fsdp(nproc: int) -> list[str]:
 def _resume(ckpt: Path, dump: Path, nproc: int, gpus: list[int]) -> Path:
     """The saved run's step-RESUME_STEP checkpoint in a fresh dump folder, continued to step 40 on nproc GPUs
     (one GPU: a plain data-parallel-free job)."""
-    (dump / "checkpoint").mkdir(parents=True)
-    shutil.copytree(ckpt / "checkpoint" / f"step-{RESUME_STEP}", dump / "checkpoint" / f"step-{RESUME_STEP}")
+    nu.seed_checkpoint(ckpt, dump, RESUME_STEP)
     nu.run_trainer(dump, nproc, *CKPT, *_fsdp(nproc), gpus=gpus)
     return dump
 

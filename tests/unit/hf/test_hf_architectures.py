@@ -325,6 +325,7 @@ def test_every_model_field_is_mapped():
         "force_balanced_routing", "kv_share", "kv_share_group", "parametrization", "mup_base_dim",
         "mup_base_head_dim"}
 
+
 def test_forced_balanced_routing_is_not_exported():
     """The benchmark-only routing stays out of config.json: an exported model routes by its router."""
     args = dataclasses.replace(_args("everything"), force_balanced_routing=True)
