@@ -25,6 +25,18 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The multigpu tier's job timeout (``tests/multigpu/nccl_utils.py``), checked before anything is collected:
+    a bad value is one line."""
+    value = os.environ.get("MULTIGPU_JOB_TIMEOUT", "480")
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0:
+        raise pytest.UsageError(f"MULTIGPU_JOB_TIMEOUT={value!r}: expected a number of seconds > 0")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "slow" in item.keywords and item.get_closest_marker("timeout") is None:

@@ -137,7 +137,7 @@ def log_tail(dump: Path, chars: int = 6000) -> str:
     return path.read_text(errors="replace")[-chars:] if path.is_file() else "(no log)"
 
 
-JOB_TIMEOUT = float(os.environ.get("MULTIGPU_JOB_TIMEOUT", 480))
+JOB_TIMEOUT = float(os.environ.get("MULTIGPU_JOB_TIMEOUT", 480))  # checked by tests/conftest.py
 
 
 def worker_stacks(agent: subprocess.Popen) -> str:
