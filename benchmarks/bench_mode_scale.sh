@@ -9,8 +9,9 @@
 #
 # Usage, from the repository root on a 4-GPU machine (carry .whl for tt_ep4):
 #   OUT_DIR=$OUT RUNS="ep1 ep2 ep4 tt_ep4 profile" benchmarks/bench_mode_scale.sh
-#   RUNS       any of ep1 ep2 ep4 (ours, EP N), tt_ep4 (torchtitan), profile (ours, EP 4, steps 8-9 profiled on every
-#              rank; the rank-0 table is written); default "ep1 ep2 ep4 tt_ep4 profile"
+#   RUNS       any of ep1 ep2 ep4 (ours, EP N), tt_ep4 (torchtitan), profileN (ours, EP N, steps 8-9 profiled on
+#              every rank; the rank-0 table is written as profile_epN; profile = profile4); default
+#              "ep1 ep2 ep4 tt_ep4 profile"
 #   OLD=DIR    also run each epN with the package in DIR (a checkout of other code; named old_epN), alternated
 #              old, new on the same machine
 #   OUT_DIR    where the small result files go (summary.jsonl, profile_ep4.{txt,json}, logs.tar.gz); the run
@@ -129,14 +130,14 @@ for r in $RUNS; do
             if [ "$SMOKE" = 1 ]; then echo "skip $r: torchtitan needs CUDA (not in --smoke)"; continue; fi
             budget "$r" && tt_run "$r"
             ;;
-        profile)
-            ep=$(( MAX_EP < 4 ? MAX_EP : 4 ))
-            budget profile || continue
-            ours profile "$ROOT" --parallelism.ep "$ep" --training.steps 10 --profiling.enabled true \
+        profile|profile[0-9]*)
+            ep=${r#profile}; ep=${ep:-4}; ep=$(( MAX_EP < ep ? MAX_EP : ep ))
+            budget "$r" || continue
+            ours "$r" "$ROOT" --parallelism.ep "$ep" --training.steps 10 --profiling.enabled true \
                 --profiling.start_step 8 --profiling.end_step 9
-            "$PY" benchmarks/scale_report.py profile "$WORK/profile" "$OUT_DIR/profile_ep$ep" | tee -a "$SUMMARY"
+            "$PY" benchmarks/scale_report.py profile "$WORK/$r" "$OUT_DIR/profile_ep$ep" | tee -a "$SUMMARY"
             ;;
-        *) echo "unknown run '$r': expected ep1 ep2 ep4 tt_ep4 profile" ;;
+        *) echo "unknown run '$r': expected ep1 ep2 ep4 tt_ep4 profile profileN" ;;
     esac
 done
 tar -czf "$OUT_DIR/logs.tar.gz" -C "$WORK" $(cd "$WORK" && ls *.log */config.toml 2>/dev/null) 2>/dev/null
