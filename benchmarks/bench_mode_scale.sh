@@ -9,13 +9,12 @@
 #
 # Usage, from the repository root on a 4-GPU machine (carry .whl for tt_ep4):
 #   OUT_DIR=$OUT RUNS="ep1 ep2 ep4 tt_ep4 profile" benchmarks/bench_mode_scale.sh
-#   RUNS       any of ep1 ep2 ep4 (ours, EP N), epNcM (EP N, the rows moved in M pipelined chunks:
-#              parallelism.ep_chunks), tt_ep4 (torchtitan), profileN / profileNcM (ours, EP N [M chunks], steps
-#              8-9 profiled on every rank; the rank-0 table is written as profile_epNcM; profile = profile4);
-#              default "ep1 ep2 ep4 tt_ep4 profile"
+#   RUNS       any of ep1 ep2 ep4 (ours, EP N), tt_ep4 (torchtitan), profileN (ours, EP N, steps 8-9 profiled on
+#              every rank; the rank-0 table is written as profile_epN; profile = profile4); default
+#              "ep1 ep2 ep4 tt_ep4 profile"
 #   OLD=DIR    also run each epN with the package in DIR (a checkout of other code; named old_epN), alternated
 #              old, new on the same machine
-#   OUT_DIR    where the small result files go (summary.jsonl, profile_ep4c1.{txt,json}, logs.tar.gz); the run
+#   OUT_DIR    where the small result files go (summary.jsonl, profile_ep4.{txt,json}, logs.tar.gz); the run
 #              folders stay in WORK (default /tmp/bench_mode_scale)
 #   EXTRA      trainer overrides added to every run of ours, e.g. EXTRA="--model.bias_update_rate 0.001", or
 #              EXTRA="--model.force_balanced_routing true" (round-robin experts: the EP path at perfect balance,
@@ -122,24 +121,21 @@ budget() {  # budget NAME: set LIMIT to what is left (at most RUN_LIMIT); false,
 for r in $RUNS; do
     case $r in
         ep[0-9]*)
-            ep=${r#ep}; chunks=1
-            [[ $ep == *c* ]] && chunks=${ep#*c} && ep=${ep%c*}
+            ep=${r#ep}
             if [ "$ep" -gt "$MAX_EP" ]; then echo "skip $r: EP $ep > $NPROC processes"; continue; fi
             [ -n "${OLD:-}" ] && budget "old_$r" && ours "old_$r" "$(cd "$OLD" && pwd)" --parallelism.ep "$ep"
-            budget "$r" && ours "$r" "$ROOT" --parallelism.ep "$ep" --parallelism.ep_chunks "$chunks"
+            budget "$r" && ours "$r" "$ROOT" --parallelism.ep "$ep"
             ;;
         tt_ep4)
             if [ "$SMOKE" = 1 ]; then echo "skip $r: torchtitan needs CUDA (not in --smoke)"; continue; fi
             budget "$r" && tt_run "$r"
             ;;
         profile|profile[0-9]*)
-            ep=${r#profile}; ep=${ep:-4}; chunks=1
-            [[ $ep == *c* ]] && chunks=${ep#*c} && ep=${ep%c*}
-            ep=$(( MAX_EP < ep ? MAX_EP : ep ))
+            ep=${r#profile}; ep=${ep:-4}; ep=$(( MAX_EP < ep ? MAX_EP : ep ))
             budget "$r" || continue
-            ours "$r" "$ROOT" --parallelism.ep "$ep" --parallelism.ep_chunks "$chunks" --training.steps 10 \
-                --profiling.enabled true --profiling.start_step 8 --profiling.end_step 9
-            "$PY" benchmarks/scale_report.py profile "$WORK/$r" "$OUT_DIR/profile_ep${ep}c$chunks" | tee -a "$SUMMARY"
+            ours "$r" "$ROOT" --parallelism.ep "$ep" --training.steps 10 --profiling.enabled true \
+                --profiling.start_step 8 --profiling.end_step 9
+            "$PY" benchmarks/scale_report.py profile "$WORK/$r" "$OUT_DIR/profile_ep$ep" | tee -a "$SUMMARY"
             ;;
         *) echo "unknown run '$r': expected ep1 ep2 ep4 tt_ep4 profile profileN" ;;
     esac

@@ -1,9 +1,8 @@
 """Expert parallelism's dispatch (``parallel/ep.py``) on 2 and 4 gloo processes: two MoDE layers, their experts
 sharded over the ranks, give each rank's output and input / router gradients, and the experts' summed
 gradients, of the same layers run in one process (float64), with experts nobody routes to and a rank that
-receives no rows; with a shared expert (run while the rows travel); under activation checkpointing; with the
-rows moved in chunks (the pipelined dispatch). Each layer's forward reads the device once, the backward and
-the recomputation not at all."""
+receives no rows; with a shared expert (run while the rows travel); under activation checkpointing. Each
+layer's forward reads the device once, the backward and the recomputation not at all."""
 
 from __future__ import annotations
 
@@ -56,10 +55,7 @@ def _forward(model: nn.Module, x: torch.Tensor, checkpointed: bool) -> torch.Ten
     return h
 
 
-# (shared expert, checkpointed, chunks of the pipelined dispatch; 1: one all-to-all each way). Three chunks of
-# at most a few rows per expert: chunks with empty (rank, expert) blocks, and uneven chunk sizes.
-VARIANTS = [(False, False, 1), (True, False, 1), (False, True, 1), (True, True, 1), (True, False, 3),
-            (False, True, 2)]
+VARIANTS = [(False, False), (True, False), (False, True), (True, True)]  # (shared expert, checkpointed)
 
 
 def _ep_worker(rank: int, world: int) -> dict:
@@ -76,9 +72,9 @@ def _ep_worker(rank: int, world: int) -> dict:
     results = {}
     torch.Tensor.tolist = counted_tolist
     try:
-        for shared, checkpointed, chunks in VARIANTS:
+        for shared, checkpointed in VARIANTS:
             model = _layers(shared)
-            apply_ep(model, mesh, data_parallel_share=1, chunks=chunks)  # expert gradients: sums over ranks
+            apply_ep(model, mesh, data_parallel_share=1)  # expert gradients: sums over the ranks' tokens
             reads.update(forward=0, backward=0)
             x, w = _data(rank)
             x.requires_grad_(True)
@@ -88,7 +84,7 @@ def _ep_worker(rank: int, world: int) -> dict:
             (out * w).sum().backward()
             grads = {name: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).clone()
                      for name, p in model.named_parameters()}
-            results[shared, checkpointed, chunks] = {"out": out.detach(), "x_grad": x.grad, "grads": grads,
+            results[shared, checkpointed] = {"out": out.detach(), "x_grad": x.grad, "grads": grads,
                                              "reads": dict(reads)}
     finally:
         torch.Tensor.tolist = plain_tolist
@@ -97,11 +93,10 @@ def _ep_worker(rank: int, world: int) -> dict:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_ep_layers_equal_one_process(world):
-    """Every variant (shared expert or not, checkpointed or not, chunked or not) in one process group per
-    world size."""
+    """Every variant (shared expert or not, checkpointed or not) in one process group per world size."""
     got = run_distributed(_ep_worker, world)
-    for variant in VARIANTS:
-        _check(world, variant[0], [g[variant] for g in got])
+    for shared, checkpointed in VARIANTS:
+        _check(world, shared, [g[shared, checkpointed] for g in got])
 
 
 def _check(world: int, shared: bool, got: list[dict]) -> None:

@@ -2,8 +2,7 @@
 (same data-parallel degree, so the same tokens per rank and the same balancing losses), eager and compiled, in
 float32 (nccl_utils.JOB says why), 10 steps; also compiled with full activation checkpointing (the recomputation
 replays the forward's routes: no count exchange, no host read) and with a shared expert (computed while the
-dispatch all-to-all is in flight), and with the rows moved in 2 pipelined chunks (also under full activation
-checkpointing).
+dispatch all-to-all is in flight).
 
 The jobs start together in one ``nccl_utils.JobPool`` (several small jobs share each GPU). About two to three
 minutes on 4 H100s; on 2 GPUs only the EP 2 comparisons run. Tolerances as in ``test_layouts_nccl.py``
@@ -36,7 +35,6 @@ MODE = ["--model.flavor", "mode_debug", "--model.n_layers", "4", "--model.n_expe
         "--parallelism.dp_shard", str(NPROC), "--training.local_batch_size", str(nu.GLOBAL_BATCH // NPROC)]
 SHARED = ["--model.shared_expert", "true"]
 FULL_AC = ["--activation_checkpoint.mode", "full"]
-CHUNKED = ["--parallelism.ep_chunks", "2"]  # the pipelined dispatch
 
 # name -> (its EP 1 reference, ep degree, compiled, extra overrides)
 CASES = {
@@ -46,8 +44,6 @@ CASES = {
     "ep4_compiled": ("ep1_compiled", 4, True, []),
     "ep4_compiled_ac": ("ep1_compiled", 4, True, FULL_AC),
     "ep4_compiled_shared": ("ep1_compiled_shared", 4, True, SHARED),
-    "ep4_compiled_chunked": ("ep1_compiled", 4, True, CHUNKED),
-    "ep4_compiled_chunked_ac": ("ep1_compiled", 4, True, [*CHUNKED, *FULL_AC]),
 }
 REFERENCES = {"ep1_eager": (False, []), "ep1_compiled": (True, []), "ep1_compiled_shared": (True, SHARED)}
 

@@ -173,8 +173,6 @@ class ParallelismSection:
     tp: int = opt(1, "tensor (+ sequence) parallel degree", min=1)
     pp: int = opt(1, "pipeline parallel degree", min=1)
     ep: int = opt(1, "expert parallel degree, carved out of the data-parallel ranks", min=1)
-    ep_chunks: int = opt(1, "expert parallelism: move each MoDE layer's rows in this many chunks, the experts of "
-                         "one chunk running while the next travels; 1: one all-to-all each way", min=1)
     dp_mode: str = opt("fsdp", "data parallel style on dp_shard: FSDP2, or plain DDP (replicate)",
                        choices=("fsdp", "ddp"))
     pp_schedule: str = opt("1F1B", "pipeline schedule", choices=(

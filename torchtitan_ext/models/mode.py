@@ -123,9 +123,6 @@ class GroupedExperts(nn.Module):
     overlaps_side_work = False
     side_work = None
     side_result = None
-    # Expert parallelism's pipelined dispatch (``parallel/ep.py``) takes over the whole call when set: it
-    # moves the rows in chunks and runs ``compute`` on each chunk while the next one travels.
-    dispatcher = None
 
     def __init__(self, n_experts: int, dim: int, hidden: int):
         super().__init__()
@@ -142,14 +139,8 @@ class GroupedExperts(nn.Module):
         return w1, w2, w3
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        if self.dispatcher is not None:
-            return self.dispatcher(self, x, counts)
-        return self.compute(x, counts, *self.local_weights())
-
-    def compute(self, x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                w3: torch.Tensor) -> torch.Tensor:
-        """The experts on rows sorted by expert, with the weights given (this rank's experts)."""
         ends = counts.cumsum(0)
+        w1, w2, w3 = self.local_weights()
         h = F.silu(grouped_mm(x, w1, ends)) * grouped_mm(x, w3, ends)
         return grouped_mm(h, w2, ends)
 

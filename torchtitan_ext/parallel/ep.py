@@ -30,7 +30,6 @@ went on (benchmarks/RESULTS.md).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -127,127 +126,6 @@ def plan_route(counts: torch.Tensor, ep: int, group: dist.ProcessGroup) -> Route
     return Route(send_splits, recv_splits, order, inv, received.sum(dim=0))
 
 
-@dataclass
-class ChunkedRoute:
-    """One layer's dispatch in ``chunks`` pieces: chunk c holds rows ceil(c n / C) .. ceil((c + 1) n / C) of
-    every expert's n rows, so each chunk is spread over all experts (and ranks) like the whole batch."""
-
-    send_index: torch.Tensor  # expert-sorted rows -> chunk-major rows (chunk, expert)
-    send_inv: torch.Tensor
-    send_splits: list[list[int]]  # [chunk][destination rank]
-    recv_splits: list[list[int]]  # [chunk][source rank]
-    orders: list[torch.Tensor]  # per chunk: received (source, local expert) rows -> (local expert, source)
-    invs: list[torch.Tensor]
-    local_counts: list[torch.Tensor]  # per chunk: rows per local expert after re-sorting
-
-
-def plan_chunked_route(counts: torch.Tensor, ep: int, group: dist.ProcessGroup, chunks: int) -> ChunkedRoute:
-    """Split each expert's rows into ``chunks`` pieces, exchange the (expert, chunk) counts with the ranks of
-    ``group`` and read every chunk's splits with one host sync."""
-    n_local = counts.numel() // ep
-    edges = (counts[:, None] * torch.arange(chunks + 1, device=counts.device) + chunks - 1) // chunks
-    per_chunk = edges.diff(dim=1).contiguous()  # (expert, chunk) rows
-    received = torch.empty_like(per_chunk)
-    dist.all_to_all_single(received, per_chunk, group=group)
-    received = received.view(ep, n_local, chunks)  # [source rank, local expert, chunk] rows this rank receives
-    send = per_chunk.view(ep, n_local, chunks).sum(dim=1).t().reshape(-1)
-    splits = torch.cat([send, received.sum(dim=1).t().reshape(-1)]).tolist()  # the one sync
-    send_splits = [splits[c * ep:(c + 1) * ep] for c in range(chunks)]
-    recv_splits = [splits[(chunks + c) * ep:(chunks + c + 1) * ep] for c in range(chunks)]
-    total = sum(map(sum, send_splits))
-    orders, invs = [], []
-    for c in range(chunks):
-        block, rows = received[:, :, c], sum(recv_splits[c])
-        orders.append(regroup_index(block, rows))
-        invs.append(regroup_index(block.t(), rows))
-    return ChunkedRoute(regroup_index(per_chunk, total), regroup_index(per_chunk.t(), total), send_splits,
-                        recv_splits, orders, invs, list(received.sum(dim=0).unbind(dim=1)))
-
-
-def _start_all_to_all(x: torch.Tensor, recv: list[int], send: list[int], group: dist.ProcessGroup
-                      ) -> tuple[torch.Tensor, object, torch.Tensor]:
-    """Start sending ``send[r]`` rows of ``x`` to rank r and receiving ``recv[r]`` from it: (the output, the
-    c10d work to wait on before reading it, the input, kept alive until then)."""
-    x = x.contiguous()
-    out = x.new_empty((sum(recv), *x.shape[1:]))
-    return out, dist.all_to_all_single(out, x, recv, send, group=group, async_op=True), x
-
-
-def _to_experts(rows: torch.Tensor, route: ChunkedRoute, group: dist.ProcessGroup) -> list[tuple]:
-    """Start every chunk's all-to-all of expert-sorted ``rows`` (or their gradients) to the experts' ranks."""
-    parts = rows[route.send_index].split([sum(s) for s in route.send_splits])
-    return [_start_all_to_all(part, recv, send, group)
-            for part, recv, send in zip(parts, route.recv_splits, route.send_splits, strict=True)]
-
-
-def _back_from_experts(outbound: list[tuple], route: ChunkedRoute) -> torch.Tensor:
-    """Wait for the chunks started back to this rank; their rows in expert-sorted order."""
-    for _, work, _ in outbound:
-        work.wait()
-    return torch.cat([rows for rows, _, _ in outbound])[route.send_inv]
-
-
-def _keep(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-class _PipelinedExperts(torch.autograd.Function):
-    """Dispatch, experts and combine of one layer, chunk by chunk: every chunk's dispatch all-to-all is started
-    at once, and chunk c's experts run while the rows of chunks c + 1... (and then the outputs of chunk c) travel.
-    The backward runs in the same pipelined order. Each chunk's experts are a small autograd graph of their own
-    (its saved tensors kept as they are: an activation-checkpointing recomputation runs the chunks again, its
-    graph unused), differentiated with ``torch.autograd.grad`` in the backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, route: ChunkedRoute, compute: Callable, group: dist.ProcessGroup,
-                *weights: torch.Tensor) -> torch.Tensor:
-        inbound = _to_experts(x, route, group)
-        leaves = [w.detach().requires_grad_(w.requires_grad) for w in weights]
-        ins, outs, outbound = [], [], []
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
-            for c, (rows, work, _) in enumerate(inbound):
-                work.wait()
-                rows.requires_grad_(True)
-                y = compute(permute_rows(rows, route.orders[c], route.invs[c]), route.local_counts[c], *leaves)
-                y = permute_rows(y, route.invs[c], route.orders[c])
-                ins.append(rows)
-                outs.append(y)
-                outbound.append(_start_all_to_all(y.detach(), route.send_splits[c], route.recv_splits[c], group))
-        ctx.state = (route, group, ins, outs, leaves)
-        return _back_from_experts(outbound, route)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        route, group, ins, outs, leaves = ctx.state
-        del ctx.state
-        inbound = _to_experts(grad, route, group)
-        weight_grads = [torch.zeros_like(w) for w in leaves]
-        outbound = []
-        for c, (g, work, _) in enumerate(inbound):
-            work.wait()
-            row_grad, *grads = torch.autograd.grad(outs[c], [ins[c], *leaves], g, allow_unused=True)
-            for total, part in zip(weight_grads, grads, strict=True):
-                if part is not None:
-                    total += part
-            outbound.append(_start_all_to_all(row_grad, route.send_splits[c], route.recv_splits[c], group))
-        return _back_from_experts(outbound, route), None, None, None, *weight_grads
-
-
-class PipelinedDispatch:
-    """``GroupedExperts.dispatcher`` under expert parallelism with ``chunks`` > 1 (``_PipelinedExperts``)."""
-
-    def __init__(self, mesh: DeviceMesh, chunks: int):
-        self.mesh, self.chunks = mesh, chunks
-
-    def __call__(self, experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        ep, group = self.mesh.size(), self.mesh.get_group()
-        route = _routed(lambda: plan_chunked_route(counts, ep, group, self.chunks))
-        if x.shape[0] != route.send_index.numel():
-            raise RuntimeError(f"expert parallelism: {x.shape[0]} routed rows, but the route sends "
-                               f"{route.send_index.numel()} (a recomputation that routed differently?)")
-        return _PipelinedExperts.apply(x, route, experts.compute, group, *experts.local_weights())
-
-
 class _RouteTape:
     """The routes of one checkpointed call, recorded by its forward and replayed by its recomputation."""
 
@@ -255,9 +133,9 @@ class _RouteTape:
         self.routes: list[Route] = []
         self.replay_at: int | None = None
 
-    def next_route(self, plan: Callable[[], Route | ChunkedRoute]) -> Route | ChunkedRoute:
+    def next_route(self, counts: torch.Tensor, ep: int, group: dist.ProcessGroup) -> Route:
         if self.replay_at is None:
-            route = plan()
+            route = plan_route(counts, ep, group)
             self.routes.append(route)
             return route
         route = self.routes[self.replay_at]
@@ -282,12 +160,6 @@ class _TapeContext:
         self.tape.replay_at = None
 
 
-def _routed(plan: Callable[[], Route | ChunkedRoute]) -> Route | ChunkedRoute:
-    """``plan()``, or inside an activation-checkpointing recomputation the route its forward recorded."""
-    tape = _ACTIVE_TAPE.get()
-    return plan() if tape is None else tape.next_route(plan)
-
-
 def recompute_contexts() -> tuple[_TapeContext, _TapeContext]:
     """``context_fn`` for ``torch.utils.checkpoint`` (non-reentrant) around a block with EP experts: its
     recomputation reuses the forward's split sizes and indices (no count exchange, no host sync)."""
@@ -298,7 +170,8 @@ def recompute_contexts() -> tuple[_TapeContext, _TapeContext]:
 def _dispatch(module: GroupedExperts, inputs: tuple, mesh: DeviceMesh) -> tuple[torch.Tensor, torch.Tensor]:
     x, counts = inputs
     ep, group = mesh.size(), mesh.get_group()
-    route = _routed(lambda: plan_route(counts, ep, group))
+    tape = _ACTIVE_TAPE.get()
+    route = plan_route(counts, ep, group) if tape is None else tape.next_route(counts, ep, group)
     if x.shape[0] != sum(route.send_splits):
         raise RuntimeError(f"expert parallelism: {x.shape[0]} routed rows, but the route sends "
                            f"{sum(route.send_splits)} (a recomputation that routed differently?)")
@@ -327,11 +200,8 @@ def check_ep(n_experts: int, ep: int, tp: int = 1) -> None:
                          f"parallelism the experts are sharded over the ep x tp ranks)")
 
 
-def apply_ep(model: nn.Module, mesh: DeviceMesh, data_parallel_share: int, chunks: int = 1) -> None:
+def apply_ep(model: nn.Module, mesh: DeviceMesh, data_parallel_share: int) -> None:
     """Shard every MoDE layer's experts over ``mesh`` (FSDP then shards them on their own mesh).
-
-    ``chunks`` > 1: the pipelined dispatch (``PipelinedDispatch``), each layer's rows moved in that many
-    chunks overlapped with the experts; 1: one all-to-all each way, overlapped with the shared expert if any.
 
     ``mesh`` is the ``ep`` ranks, or under TP the ``ep x tp`` ranks (each TP rank routes its own slice of
     the sequence, so TP ranks hold experts too). An expert's gradient sums the tokens of the whole mesh, of
@@ -340,10 +210,6 @@ def apply_ep(model: nn.Module, mesh: DeviceMesh, data_parallel_share: int, chunk
     for block in model.layers.values():
         if isinstance(block.feed_forward, MoDE):
             module = block.feed_forward.experts
-            if chunks > 1:
-                distribute_module(module, mesh, _shard_experts)
-                module.dispatcher = PipelinedDispatch(mesh, chunks)
-            else:
-                distribute_module(module, mesh, _shard_experts, _dispatch, _combine)
-                module.overlaps_side_work = True
+            distribute_module(module, mesh, _shard_experts, _dispatch, _combine)
             module.grad_scale = 1.0 / data_parallel_share
+            module.overlaps_side_work = True

@@ -28,8 +28,7 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, cfg: JobConfig, on
         if cfg.parallelism.async_tp:
             enable_async_tp(dims.submesh("tp"), compiled=cfg.training.compile, on_gpu=on_gpu)
     if dims.ep > 1:
-        apply_ep(model, dims.submesh("ep_tp" if dims.tp > 1 else "ep"), data_parallel_share=dims.ep,
-                 chunks=cfg.parallelism.ep_chunks)
+        apply_ep(model, dims.submesh("ep_tp" if dims.tp > 1 else "ep"), data_parallel_share=dims.ep)
     moe_under_tp = dims.tp > 1 and any(isinstance(block.feed_forward, MoDE) for block in model.layers.values())
     moe_fsdp_units = dims.ep > 1 or moe_under_tp  # the experts (EP) or the MoDE layers (TP) shard on their own
     ac = cfg.activation_checkpoint

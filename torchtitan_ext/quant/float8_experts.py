@@ -169,8 +169,8 @@ class Float8GroupedExperts(GroupedExperts):
         super().__init__(n_experts, dim, hidden)
         self.emulate = emulate
 
-    def compute(self, x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                w3: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = self.local_weights()
         plan = pad_plan(counts, x.shape[0])
         xp = pad_rows(x, plan)
         h = F.silu(float8_grouped_mm(xp, w1, plan.ends, self.emulate)) * \

@@ -186,9 +186,6 @@ def check_layout(cfg: JobConfig, args: ModelArgs, dims: ParallelDims) -> None:
                                  f"parallelism.tp = {dims.tp} (sequence parallel shards the sequence)")
         if dims.ep > 1:
             check_ep(args.n_experts, dims.ep, dims.tp)
-        elif cfg.parallelism.ep_chunks > 1:
-            raise ValueError(f"parallelism.ep_chunks = {cfg.parallelism.ep_chunks} needs parallelism.ep > 1 "
-                             "(it pipelines expert parallelism's all-to-alls)")
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
