@@ -98,9 +98,10 @@ class StepTime:
 
 
 def global_batch(cfg: JobConfig, gpus: int) -> int:
-    """Sequences per optimizer step that every candidate trains on: the config's, or its local batch per GPU."""
-    t = cfg.training
-    return t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * gpus
+    """Sequences per optimizer step that every candidate trains on: the config's, or as the trainer derives it,
+    its local batch times the data-parallel degree (the ``gpus`` over the config's TP and PP degrees)."""
+    t, par = cfg.training, cfg.parallelism
+    return t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * (gpus // (par.tp * par.pp))
 
 
 def spans_nodes(stride: int, size: int, gpus: int, gpus_per_node: int) -> bool:

@@ -141,6 +141,11 @@ def test_step_time_rules():
     raw = sum(v for k, v in p.comm.items() if k.startswith("dp_shard")) / hw.intra_node_bw
     assert raw < t.compute and t.comm["dp_shard"] == pytest.approx(FSDP_EXPOSED * raw)
     assert t.tokens_per_gpu_s == pytest.approx(128 * 2048 / t.total / 8)
+    # Without a global batch, the trainer's: the local batch per data-parallel rank (4 GPUs, TP 2: 2 ranks).
+    tp = parse_args([*DENSE_1B, "--training.local_batch_size", "2", "--parallelism.tp", "2"])
+    t = step_time(tp, plan(tp, 4), hw)
+    assert t.tokens_per_gpu_s == pytest.approx(2 * 2 * 2048 / t.total / 4)
+    assert t.compute == pytest.approx(base.compute * 4 / 16 / 4)  # 4 of base's 16 sequences over 4 GPUs
 
 
 def test_cli_search_table(capsys):
