@@ -23,12 +23,18 @@
 #              default 560: a run starts only with 60 s left and is cut at the deadline, so the call returns results)
 #   --smoke    2 CPU processes with gloo and a tiny model (mode_debug's own shape, vocabulary 512, seq 64), eager;
 #              RUNS default "ep1 ep2 profile" (EP 2 at most; tt needs CUDA and is skipped)
+#   --help     this text
 # Prints one JSON line per run (benchmarks/scale_report.py): median tokens/s per GPU and MFU over the windows after
 # step 10, peak memory (allocated, reserved), first/last loss, expert load imbalance (max / mean routed tokens per
 # expert at the last logged step, mean and worst over layers), parameter counts, wall time.
 set -uo pipefail
 SMOKE=0
-if [ "${1:-}" = "--smoke" ]; then SMOKE=1; shift; fi
+case ${1:-} in
+    -h|--help) sed -n '2,/^set -uo pipefail/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    --smoke) SMOKE=1; shift ;;
+    -*) echo "error: unknown argument '$1' (--smoke, --help; OUT_DIR as the argument or in the environment)" >&2
+        exit 2 ;;
+esac
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$PWD
 OUT_DIR="${OUT_DIR:-${1:-/tmp/bench_mode_scale_out}}"
