@@ -19,6 +19,7 @@
 #   EXTRA      trainer overrides added to every run of ours, e.g. EXTRA="--model.bias_update_rate 0.001", or
 #              EXTRA="--model.force_balanced_routing true" (round-robin experts: the EP path at perfect balance,
 #              apart from the router's load imbalance early in training)
+#   NPROC      processes (GPUs), default 4; NPROC=1 runs ep1 and profile1 on one GPU (tt_ep4 needs 4)
 #   STEPS (25), COMPILE (true), LIMIT (seconds per run, default 170), DEADLINE (seconds for the whole script,
 #              default 560: a run starts only with 60 s left and is cut at the deadline, so the call returns results)
 #   --smoke    2 CPU processes with gloo and a tiny model (mode_debug's own shape, vocabulary 512, seq 64), eager;
@@ -58,7 +59,7 @@ if [ "$SMOKE" = 1 ]; then
     RUN_LIMIT="${LIMIT:-400}"
     RUNS="${RUNS:-ep1 ep2 profile}"
 else
-    NPROC=4
+    NPROC="${NPROC:-4}"
     MODEL=(--model.dim 2048 --model.n_heads 16 --model.n_kv_heads 8 --model.n_layers 8 --model.n_experts 64
            --model.top_k 2 --model.moe_hidden 1408 --model.vocab_size 32000 --training.seq_len 2048
            --training.local_batch_size 8 --metrics.log_freq 5)
@@ -134,6 +135,7 @@ for r in $RUNS; do
             ;;
         tt_ep4)
             if [ "$SMOKE" = 1 ]; then echo "skip $r: torchtitan needs CUDA (not in --smoke)"; continue; fi
+            if [ "$NPROC" != 4 ]; then echo "skip $r: EP 4 needs NPROC=4"; continue; fi
             budget "$r" && tt_run "$r"
             ;;
         profile|profile[0-9]*)
