@@ -81,7 +81,7 @@ source benchmarks/run_job.sh
 ours() {  # ours NAME TREE ARGS...: our trainer from the package in TREE
     local name=$1 tree=$2; shift 2
     local t0=$SECONDS
-    (cd "$tree" && PYTHONPATH="$tree" run_job "$name" "$LIMIT" "$PY" -m torch.distributed.run --standalone \
+    (cd "$tree" && PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}" run_job "$name" "$LIMIT" "$PY" -m torch.distributed.run --standalone \
         --nproc_per_node "$NPROC" -m torchtitan_ext.train \
         --config "$tree/train_configs/mode_debug.toml" --data.tokenizer byte --data.cache_dir "$WORK/cache" \
         --checkpoint.enabled false --eval.steps 0 --metrics.tensorboard false --optimizer.lr 3e-4 \

@@ -5,8 +5,9 @@
         (benchmarks/scale_report.py reads both); --plan: the output of ``python -m torchtitan_ext.plan`` for the
         row's arguments (its predicted peak, and its predicted step time or tokens/s where it prints one)
   python benchmarks/layouts_report.py table SUMMARY_JSONL
-        the table: tokens/s per GPU, MFU, peak memory (ours: max allocated and reserved on rank 0; torchtitan
-        logs max reserved on rank 0), the planner's peak and its ratio to the measured one, ours / torchtitan for
+        the table: tokens/s per GPU, MFU, peak memory (ours: max allocated and reserved on rank 0, and max
+        allocated over all ranks; torchtitan logs max reserved on rank 0), the planner's peak and its ratio to
+        the measured one (the largest over the ranks where logged), ours / torchtitan for
         rows measured by both, and each model's layouts ranked by measured (and, where printed, planned) speed.
 """
 
@@ -58,8 +59,10 @@ def row(argv: list[str]) -> dict:
     out = {**{k: v for k, v in measured.items() if k not in ("run", "trainer")}, **meta}
     if "--plan" in argv and (plan := Path(argv[argv.index("--plan") + 1])).is_file():
         out.update(parse_plan(plan.read_text(errors="replace")))
-        if "plan_peak_gib" in out and out.get("peak_memory_gib"):
-            out["plan_over_measured"] = round(out["plan_peak_gib"] / out["peak_memory_gib"], 3)
+        # the planner predicts the heaviest rank: against the largest over the ranks where the trainer logs it
+        measured_peak = out.get("peak_memory_max_gib") or out.get("peak_memory_gib")
+        if "plan_peak_gib" in out and measured_peak:
+            out["plan_over_measured"] = round(out["plan_peak_gib"] / measured_peak, 3)
     return out
 
 
@@ -68,7 +71,8 @@ def _fmt(value, spec: str = "") -> str:
 
 
 def table(rows: list[dict]) -> str:
-    cols = ("row", "tok/s/GPU", "MFU", "peak GiB", "reserved", "plan GiB", "plan/meas", "vs tt", "rank", "plan rank")
+    cols = ("row", "tok/s/GPU", "MFU", "peak GiB", "max rank", "reserved", "plan GiB", "plan/meas", "vs tt", "rank",
+            "plan rank")
     tt = {(r["model"], r["layout"], r["precision"]): r for r in rows
           if r.get("trainer") == "torchtitan" and r.get("tokens_per_sec_per_device")}
     ranks, plan_ranks = {}, {}
@@ -88,7 +92,8 @@ def table(rows: list[dict]) -> str:
         anchor = tt.get((r["model"], r["layout"], r["precision"])) if r["trainer"] == "ours" else None
         ratio = r["tokens_per_sec_per_device"] / anchor["tokens_per_sec_per_device"] if anchor else None
         cells = (f"{r['tokens_per_sec_per_device']:,.0f}", _fmt(r.get("mfu"), ".1%"),
-                 _fmt(r.get("peak_memory_gib"), ".2f"), _fmt(r.get("peak_reserved_gib"), ".2f"),
+                 _fmt(r.get("peak_memory_gib"), ".2f"), _fmt(r.get("peak_memory_max_gib"), ".2f"),
+                 _fmt(r.get("peak_reserved_gib"), ".2f"),
                  _fmt(r.get("plan_peak_gib"), ".2f"), _fmt(r.get("plan_over_measured"), ".3f"),
                  _fmt(ratio, ".3f"), _fmt(ranks.get(r["row"])), _fmt(plan_ranks.get(r["row"])))
         lines.append(f"{r['row']:<28}  " + "  ".join(f"{c:>12}" for c in cells))

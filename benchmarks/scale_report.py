@@ -4,12 +4,15 @@
   python benchmarks/scale_report.py tt NAME LOG [--wall S]        a torchtitan 0.2.0 run, from its console log
   python benchmarks/scale_report.py profile TRACE_DIR OUT_PREFIX   per-kernel table of a [profiling] trace
                                                                    (writes OUT_PREFIX.json and OUT_PREFIX.txt)
+  python benchmarks/scale_report.py resume SAVED RESUMED           the losses of a run resumed from SAVED's checkpoint
+                                                                   against SAVED's own, at the steps both logged
 
 Throughput is the median over the logged windows ending after step 10 (our log every 5 steps: windows 15, 20, 25;
 torchtitan logs step 1 as well, the same cut keeps its 15, 20, 25), per GPU. MFU: both trainers count
 6 x (active non-embedding parameters incl. the output head and the router: top_k of n_experts experts) + 12 x
 layers x heads x head_dim x seq per token against 989 TFLOP/s (H100/H200 dense bf16). Memory: ours max allocated
-(peak_memory_gib) and max reserved (peak_reserved_gib); torchtitan logs max reserved only.
+(peak_memory_gib) and max reserved (peak_reserved_gib) on rank 0, and max allocated over all ranks
+(peak_memory_max_gib); torchtitan logs max reserved only.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ def ours(folder: Path, argv: list[str]) -> dict:
     if "memory_gib" in train[-1]:
         out["peak_memory_gib"] = round(max(r["memory_gib"] for r in train), 2)
         out["peak_reserved_gib"] = round(max(r.get("memory_reserved_gib", 0) for r in train), 2)
+    if "memory_max_gib" in train[-1]:  # the largest over the ranks (trainers from 2026-11-28 on)
+        out["peak_memory_max_gib"] = round(max(r["memory_max_gib"] for r in train), 2)
     out["first_loss"], out["last_loss"] = round(train[0]["loss"], 4), round(train[-1]["loss"], 4)
     last = train[-1]
     imb = [v for k, v in last.items() if k.startswith("moe/") and k.endswith("/imbalance")]
@@ -99,6 +104,28 @@ def tt(name: str, log: Path, argv: list[str]) -> dict:
     out["tflops_per_device"] = round(statistics.median(r["tflops"] for r in steady), 1)
     out["peak_reserved_gib"] = round(max(r["reserved"] for r in train), 2)
     out["first_loss"], out["last_loss"] = round(train[0]["loss"], 4), round(train[-1]["loss"], 4)
+    return out
+
+
+def _losses(folder: Path) -> dict[int, float]:
+    try:
+        lines = (folder / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return {}
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
+
+
+def resume(saved: Path, resumed: Path) -> dict:
+    """The resumed run's losses against the saved run's at the steps both logged (largest relative difference)."""
+    a, b = _losses(saved), _losses(resumed)
+    out = {"run": f"{resumed.name} from {saved.name}"}
+    steps = sorted(set(a) & set(b))
+    if not steps:
+        out["error"] = f"no common logged steps ({saved.name}: {len(a)} logged, {resumed.name}: {len(b)})"
+        return out
+    diffs = {s: abs(b[s] - a[s]) / abs(a[s]) for s in steps}
+    out.update(steps=steps, saved_losses=[round(a[s], 5) for s in steps],
+               resumed_losses=[round(b[s], 5) for s in steps], max_rel_diff=float(f"{max(diffs.values()):.3g}"), first_resumed_step=min(b))
     return out
 
 
@@ -239,5 +266,7 @@ if __name__ == "__main__":
         print(json.dumps(tt(rest[0], Path(rest[1]), rest)), flush=True)
     elif mode == "profile":
         profile(Path(rest[0]), Path(rest[1]))
+    elif mode == "resume":
+        print(json.dumps(resume(Path(rest[0]), Path(rest[1]))), flush=True)
     else:
-        sys.exit(f"unknown mode {mode!r}: expected ours, tt or profile")
+        sys.exit(f"unknown mode {mode!r}: expected ours, tt, profile or resume")

@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12}
 ETA_WINDOW = 10  # logged steps whose rate gives the ETA
 CONSOLE_FIELDS = {"loss": "loss {:.4f}", "val_loss": "val {:.4f}", "grad_norm": "gnorm {:.3f}", "lr": "lr {:.2e}",
-                  "tokens_per_sec": "tok/s {:,.0f}", "mfu": "mfu {:.1%}", "memory_gib": "mem {:.1f}GiB"}
+                  "tokens_per_sec": "tok/s {:,.0f}", "mfu": "mfu {:.1%}", "memory_gib": "mem {:.1f}GiB",
+                  "memory_max_gib": "(max rank {:.1f})"}
 
 
 def peak_flops() -> float | None:

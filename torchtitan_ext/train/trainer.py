@@ -36,6 +36,7 @@ from torchtitan_ext.errors import RunStopped
 from torchtitan_ext.eval.bpb import batch_sums, summarize, token_bytes
 from torchtitan_ext.eval.sliding import reads_stream, token_weighted_mean, trainer_batches
 from torchtitan_ext.metrics.logger import MetricsLogger, flops_per_token, peak_flops
+from torchtitan_ext.metrics.memory import peak_memory_metrics
 from torchtitan_ext.metrics.profiling import Profiling
 from torchtitan_ext.metrics.wandb_sink import tracking_sinks
 from torchtitan_ext.parallel.grad_norm import grad_norm
@@ -383,9 +384,7 @@ class Trainer:
                   "lr_spike_factor": self.spike_guard.lr_factor(self.step)}
         if self.peak_flops:
             values["mfu"] = self.flops_per_token * tps / self.dims.world_size / self.peak_flops
-        if self.device.type == "cuda":
-            values["memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            values["memory_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+        values.update(peak_memory_metrics(self.device))  # this rank's and the largest over the ranks
         stage_values = {**moe_metrics, **self.attn.metrics()}
         if self.distill is not None:  # measured where the loss is: the last pipeline stage
             stage_values.update(self.distill.metrics())
