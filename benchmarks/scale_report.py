@@ -125,7 +125,8 @@ def resume(saved: Path, resumed: Path) -> dict:
         return out
     diffs = {s: abs(b[s] - a[s]) / abs(a[s]) for s in steps}
     out.update(steps=steps, saved_losses=[round(a[s], 5) for s in steps],
-               resumed_losses=[round(b[s], 5) for s in steps], max_rel_diff=float(f"{max(diffs.values()):.3g}"), first_resumed_step=min(b))
+               resumed_losses=[round(b[s], 5) for s in steps], max_rel_diff=float(f"{max(diffs.values()):.3g}"),
+               first_resumed_step=min(b))
     return out
 
 

@@ -29,10 +29,15 @@ Step time of one optimizer step (the global batch) on every GPU:
   comm      = bytes per rank per mesh dimension (``estimate.communication``) / bandwidth: NVLink bus bandwidth
               360 GB/s per GPU inside a node, 50 GB/s per GPU (400 Gb/s InfiniBand) for a dimension whose ranks
               span nodes (rank order pp x dp_replicate x dp_shard (ep inner) x tp, tp innermost, 8 GPUs per
-              node). Data-parallel traffic (FSDP all-gather and reduce-scatter, HSDP / DDP all-reduce) overlaps
-              compute except FSDP_EXPOSED of it and all of what exceeds the compute time; TP, EP all-to-all
-              and pipeline sends are on the critical path.
-  step      = compute + recompute + bubble + exposed comm; tokens/s per GPU = G x seq_len / step / N.
+              node). Tensor parallelism inside a node moves at ``Hardware.tp_bw`` (120 GB/s), a third of the bus
+              bandwidth: its collectives are many and mid-sized (four per layer and pass, one activation each)
+              and each one holds up the next GEMM. Data-parallel traffic (FSDP all-gather and reduce-scatter,
+              HSDP / DDP all-reduce) overlaps compute except FSDP_EXPOSED of it and all of what exceeds the
+              compute time; TP, EP all-to-all and pipeline sends are on the critical path.
+  optimizer = the AdamW step and gradient clipping over the rank's parameters: OPTIMIZER_BYTES_PER_PARAM bytes
+              each through HBM at ``Hardware.memory_bw`` (achieved, 2.6 TB/s on an H100). Once per optimizer
+              step, so it weighs on layouts that put few tokens through each rank per step.
+  step      = compute + recompute + bubble + exposed comm + optimizer; tokens/s per GPU = G x seq_len / step / N.
 """
 
 from __future__ import annotations
@@ -61,6 +66,11 @@ PP_PASS_OVERHEAD = 0.003
 # same figure gives 1.26x / 1.30x for llama3_8b FSDP 4 and the 7b-shaped FSDP 2 rows, measured 1.23x / 1.27x.
 # rowwise: the plain script's 1.13x on the same shape (gpu-facts). Other recipes: not measured, no gain.
 FLOAT8_GEMM_SPEEDUP = {"tensorwise": 1.40, "rowwise": 1.17}
+# HBM bytes per parameter of one optimizer step: fused AdamW reads the fp32 parameter, gradient and two moments
+# and writes three (28 bytes); the gradient norm reads the gradient again and clipping rewrites it (12). The
+# Zen-shaped MoDE on one H200 (4.66e9 parameters, 2026-11-28 profile) spent 50.4 ms per step in these kernels:
+# 40 bytes per parameter at 3.7 TB/s, 78% of the H200's 4.8 TB/s.
+OPTIMIZER_BYTES_PER_PARAM = 40
 MICRO_SEQUENCES = (1, 2, 4, 8)  # sequences per pipeline micro-batch tried
 DATA_PARALLEL_DIMS = ("dp_shard", "dp_replicate", "dp")
 AC_MODES = ("none", "selective", "full")
@@ -75,6 +85,11 @@ class Hardware:
     intra_node_bw: float = 360e9  # bytes/s per GPU: NCCL bus bandwidth over NVLink (H100 SXM)
     inter_node_bw: float = 50e9  # bytes/s per GPU: one 400 Gb/s InfiniBand NIC per GPU
     gpus_per_node: int = 8
+    # Effective bytes/s of tensor parallelism's collectives inside a node. Set from the `1b` FSDP 2 x TP 2 row
+    # (4 H100s): it lost 72 ms per step to FSDP 4, three times its TP bytes at 360 GB/s; the 8B TP 2 x FSDP 2
+    # row (4 H200s) then comes out slower than PP 2 x FSDP 2, as measured (tests/unit/plan/test_measured_rows.py).
+    tp_bw: float = 120e9
+    memory_bw: float = 2.6e12  # bytes/s of HBM achieved by streaming kernels (H100 SXM: 3.35 TB/s peak)
 
 
 @dataclass
@@ -85,12 +100,13 @@ class StepTime:
     bubble: float
     passes: float  # the pipeline schedule's per-pass overhead
     comm: dict[str, float]
+    optimizer: float
     tokens: int  # of the global batch
     gpus: int
 
     @property
     def total(self) -> float:
-        return self.compute + self.recompute + self.bubble + self.passes + sum(self.comm.values())
+        return self.compute + self.recompute + self.bubble + self.passes + sum(self.comm.values()) + self.optimizer
 
     @property
     def tokens_per_gpu_s(self) -> float:
@@ -153,13 +169,14 @@ def step_time(cfg: JobConfig, p: Plan, hw: Hardware) -> StepTime:
     seconds: dict[str, float] = {}
     for key, nbytes in p.comm.items():
         dim = key.split()[0]
-        bw = hw.inter_node_bw if spans[dim] else hw.intra_node_bw
+        bw = hw.inter_node_bw if spans[dim] else hw.tp_bw if dim == "tp" else hw.intra_node_bw
         seconds[dim] = seconds.get(dim, 0.0) + nbytes / bw
     data_parallel = sum(v for k, v in seconds.items() if k in DATA_PARALLEL_DIMS)
     if data_parallel:
         exposed = max(FSDP_EXPOSED * data_parallel, data_parallel - compute - recompute) / data_parallel
         seconds = {k: v * exposed if k in DATA_PARALLEL_DIMS else v for k, v in seconds.items()}
-    return StepTime(compute, recompute, bubble, passes, seconds, tokens, p.world)
+    optimizer = p.memory["parameters (fp32)"] / 4 * OPTIMIZER_BYTES_PER_PARAM / hw.memory_bw
+    return StepTime(compute, recompute, bubble, passes, seconds, optimizer, tokens, p.world)
 
 
 @dataclass
@@ -320,7 +337,7 @@ def time_report(t: StepTime, hw: Hardware) -> list[str]:
     """The step time's lines for a single layout's report."""
     parts = [f"compute {_seconds(t.compute)}"]
     parts += [f"{name} {_seconds(v)}" for name, v in (("recompute", t.recompute), ("pp bubble", t.bubble),
-                                                       ("pp passes", t.passes)) if v]
+                                                       ("pp passes", t.passes), ("optimizer", t.optimizer)) if v]
     parts += [f"{dim} comm {_seconds(v)}" for dim, v in t.comm.items() if v]
     return [f"expected step time {_seconds(t.total)}, {t.tokens_per_gpu_s:,.0f} tokens/s per GPU "
             f"({', '.join(parts)})", assumptions(hw)]
@@ -350,6 +367,7 @@ def search_report(r: SearchResult, model: str, top: int) -> list[str]:
 def assumptions(hw: Hardware) -> str:
     """The line that says the times are the model's, and on what they rest."""
     return (f"model estimates, not measurements: {hw.peak_flops / 1e12:g} TFLOP/s x MFU {hw.mfu:g}, "
-            f"{hw.intra_node_bw / 1e9:g} GB/s per GPU inside a node, {hw.inter_node_bw / 1e9:g} GB/s across nodes "
-            f"({hw.gpus_per_node} GPUs per node), {FSDP_EXPOSED:.0%} of FSDP traffic exposed "
+            f"{hw.intra_node_bw / 1e9:g} GB/s per GPU inside a node (TP {hw.tp_bw / 1e9:g}), "
+            f"{hw.inter_node_bw / 1e9:g} GB/s across nodes ({hw.gpus_per_node} GPUs per node), HBM "
+            f"{hw.memory_bw / 1e12:g} TB/s, {FSDP_EXPOSED:.0%} of FSDP traffic exposed "
             "(torchtitan_ext/plan/search.py)")

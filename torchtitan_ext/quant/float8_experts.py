@@ -1,7 +1,7 @@
 """Float8 MoDE experts (``float8.experts``): the three grouped GEMMs of every ``GroupedExperts`` in float8
-e4m3 with rowwise scales, through torchao 0.17's prototype ``_to_fp8_rowwise_then_scaled_grouped_mm``
-(``torch._scaled_grouped_mm``, sm90) on CUDA, and emulated (float8-rounded operands, high-precision matmuls)
-elsewhere or when asked.
+e4m3 with rowwise scales, through ``torch._scaled_grouped_mm`` (sm90) with torchao 0.17's prototype cast
+kernels and our own per-group column-wise cast (``_Float8GroupedMM``) on CUDA, and emulated (float8-rounded
+operands, high-precision matmuls) elsewhere or when asked.
 
 Scales (torchao's, power-of-two, one per row of the GEMM's reduction): forward, one per token row of the input
 and one per (expert, output feature) of the weight; input gradient, one per row of the output gradient and
@@ -105,13 +105,18 @@ def unpad_rows(y: torch.Tensor, plan: PadPlan) -> torch.Tensor:
     return _GatherRows.apply(y, plan.dest, plan.src, False)
 
 
+def scales_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """torchao's rowwise scale: 448 / amax (floored at EPS, divided in float64), rounded down to a power of two,
+    in float32; data = saturate(x * scale)."""
+    scale = (torch.finfo(E4M3).max / amax.to(torch.float64).clamp(min=EPS)).float()
+    return torch.exp2(torch.floor(torch.log2(scale)))
+
+
 def fake_quantize(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """``x`` rounded to float8 e4m3 with one power-of-two scale per slice along ``dim`` (torchao's rowwise
-    scale: 448 / amax, rounded down to a power of two), returned unscaled in float32 (float64 for float64)."""
+    """``x`` rounded to float8 e4m3 with one power-of-two scale per slice along ``dim`` (``scales_from_amax``),
+    returned unscaled in float32 (float64 for float64)."""
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-    amax = x.abs().amax(dim=dim, keepdim=True).to(torch.float64).clamp(min=EPS)
-    scale = (torch.finfo(E4M3).max / amax).float()
-    scale = torch.exp2(torch.floor(torch.log2(scale))).to(compute)
+    scale = scales_from_amax(x.abs().amax(dim=dim, keepdim=True)).to(compute)
     fp8_max = torch.finfo(E4M3).max
     return (x.to(compute) * scale).clamp(-fp8_max, fp8_max).to(E4M3).to(compute) / scale
 
@@ -147,17 +152,60 @@ class _EmulatedFloat8GroupedMM(torch.autograd.Function):
         return grad_x.to(x.dtype), grad_w.to(w_t.dtype), None
 
 
+def _scaled_grouped_mm(a: torch.Tensor, b: torch.Tensor, a_scales: torch.Tensor, b_scales: torch.Tensor,
+                       ends: torch.Tensor) -> torch.Tensor:
+    """``torch._scaled_grouped_mm`` with the cast scales (data = x * scale) turned into its dequantising ones."""
+    return torch._scaled_grouped_mm(a, b, a_scales.reciprocal(), b_scales.reciprocal(), ends,
+                                    out_dtype=torch.bfloat16, use_fast_accum=True)
+
+
+class _Float8GroupedMM(torch.autograd.Function):
+    """The float8 rowwise grouped GEMM on sm90 (``torch._scaled_grouped_mm``), forward and both gradients, with
+    torchao 0.17's scales and GEMMs but cheaper casts (RESULTS.md, the Zen-shaped MoDE on one H200):
+      * the weight's forward cast is torchao's fused rowwise kernel on the (experts x out, in) view of ``w``;
+        torchao's own grouped GEMM casts it with five elementwise passes over the float32 weight;
+      * the weight gradient's per-(expert, column) casts are ``group_colwise_cast`` (a grid over fixed tiles,
+        not one program per expert), where torchao's per-expert kernel took 18% of the step.
+    ``x``: (rows, in) bf16, row-major; ``w``: (experts, out, in); ``ends``: int32 group ends, multiples of 16."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        from torchao.prototype.moe_training.kernels import triton_fp8_rowwise_2d_scale_and_cast as rowwise
+
+        experts, out_features, in_features = w.shape
+        x_data, x_scales = rowwise(x, output_dtype=E4M3, round_scales_to_power_of_2=True)
+        w_data, w_scales = rowwise(w.reshape(experts * out_features, in_features), output_dtype=E4M3,
+                                   round_scales_to_power_of_2=True)
+        ctx.save_for_backward(x, w, ends)
+        return _scaled_grouped_mm(x_data, w_data.view(w.shape).transpose(-2, -1), x_scales.squeeze(-1),
+                                  w_scales.view(experts, out_features), ends)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        from torchao.prototype.moe_training.kernels import triton_fp8_rowwise_2d_scale_and_cast as rowwise
+        from torchao.prototype.moe_training.kernels import triton_fp8_rowwise_3d_transpose_rhs as columnwise_3d
+
+        from torchtitan_ext.quant.float8_group_cast import group_colwise_cast
+
+        x, w, ends = ctx.saved_tensors
+        grad = grad.contiguous()
+        g_data, g_scales = rowwise(grad, output_dtype=E4M3, round_scales_to_power_of_2=True)
+        wt_data, wt_scales = columnwise_3d(w.transpose(-2, -1), output_dtype=E4M3, round_scales_to_power_of_2=True)
+        grad_x = _scaled_grouped_mm(g_data, wt_data, g_scales.squeeze(-1), wt_scales.squeeze(1), ends)
+        g_cols, g_col_scales = group_colwise_cast(grad, ends)
+        x_cols, x_col_scales = group_colwise_cast(x, ends)
+        grad_w = _scaled_grouped_mm(g_cols.t(), x_cols, g_col_scales, x_col_scales, ends)  # (experts, out, in)
+        return grad_x, grad_w, None
+
+
 def float8_grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, emulate: bool) -> torch.Tensor:
     """``grouped_mm`` (row block g of x times ``w[g].T``) in float8 rowwise; every end a multiple of 16.
 
-    On CUDA torchao's ``_to_fp8_rowwise_then_scaled_grouped_mm`` in bf16 out (kept bf16 under autocast,
-    as ``grouped_mm`` does); with ``emulate`` or off CUDA, ``_EmulatedFloat8GroupedMM``."""
+    On CUDA ``_Float8GroupedMM`` in bf16 out (kept bf16 under autocast, as ``grouped_mm`` does); with
+    ``emulate`` or off CUDA, ``_EmulatedFloat8GroupedMM``."""
     if emulate or not x.is_cuda:
         return _EmulatedFloat8GroupedMM.apply(x, w.transpose(-2, -1), ends)
-    from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
-
-    out = _to_fp8_rowwise_then_scaled_grouped_mm(x.bfloat16(), w.transpose(-2, -1), ends.int(),
-                                                 out_dtype=torch.bfloat16, pad_token_groups_for_grouped_mm=False)
+    out = _Float8GroupedMM.apply(x.bfloat16().contiguous(), w, ends.int())
     return out if torch.is_autocast_enabled("cuda") else out.to(x.dtype)
 
 

@@ -39,6 +39,10 @@ def parser() -> cli.ArgumentParser:
                    metavar="GB/s", help="bus bandwidth per GPU inside a node (default: 360, NVLink)")
     p.add_argument("--inter-node-gbps", action=cli.OptionValue, type=cli.positive_number, default=50.0,
                    metavar="GB/s", help="bandwidth per GPU across nodes (default: 50, 400 Gb/s InfiniBand)")
+    p.add_argument("--tp-gbps", action=cli.OptionValue, type=cli.positive_number, default=120.0, metavar="GB/s",
+                   help="effective bandwidth of tensor parallelism's collectives inside a node (default: 120)")
+    p.add_argument("--hbm-gbps", action=cli.OptionValue, type=cli.positive_number, default=2600.0, metavar="GB/s",
+                   help="HBM bandwidth the optimizer step achieves (default: 2600, H100 SXM)")
     return p
 
 
@@ -54,7 +58,7 @@ def _main(argv: list[str]) -> int:
         raise UserError(f"--gpus {ns.gpus}: expected a multiple of --gpus-per-node {ns.gpus_per_node} "
                         "for a job on more than one node")
     hw = Hardware(ns.peak_tflops * 1e12, ns.mfu, ns.intra_node_gbps * 1e9, ns.inter_node_gbps * 1e9,
-                  ns.gpus_per_node)
+                  ns.gpus_per_node, ns.tp_gbps * 1e9, ns.hbm_gbps * 1e9)
     cfg = parse_args(cli.job_argv(ns, rest))
     if not ns.search:
         p = plan_job(cfg, ns.gpus)

@@ -28,10 +28,10 @@ from torchtitan_ext.plan.search import Hardware, step_time
 ONE_B = ("--config train_configs/debug.toml --data.tokenizer byte --training.compile true --model.flavor 1b "
          "--training.seq_len 2048 --training.local_batch_size 16")
 CE = " --training.fused_linear_ce true --training.fused_linear_ce_chunk 4096"
-# bench_layouts.sh's 8b rows: llama3_8b, seq 8192, op-level selective AC, compiled, FSDP 4, one sequence
-EIGHT_B = ("--data.tokenizer byte --model.flavor llama3_8b --training.seq_len 8192 --training.compile true "
-           "--activation_checkpoint.mode selective --activation_checkpoint.selective_every 0 "
-           "--parallelism.dp_shard 4 --training.local_batch_size 1")
+# bench_layouts.sh's 8b rows: llama3_8b, seq 8192, op-level selective AC, compiled; EIGHT_B: FSDP 4, one sequence
+EIGHT_B_LAYOUT = ("--data.tokenizer byte --model.flavor llama3_8b --training.seq_len 8192 --training.compile true "
+                  "--activation_checkpoint.mode selective --activation_checkpoint.selective_every 0")
+EIGHT_B = EIGHT_B_LAYOUT + " --parallelism.dp_shard 4 --training.local_batch_size 1"
 F8_FSDP = (" --float8.enabled true --float8.recipe tensorwise --float8.enable_fsdp_float8_all_gather true "
            "--float8.precompute_float8_dynamic_scale_for_fsdp true")
 # bench_mode_scale.sh: mode_debug at d 2048, 8 layers of 64 experts (hidden 1408) top-2, seq 2048, 8 per GPU
@@ -53,7 +53,7 @@ class Row:
     model: str  # speeds are ordered within one model (and one machine)
     argv: str
     gpus: int
-    peak_gib: float  # measured max_memory_allocated
+    peak_gib: float | None  # measured max_memory_allocated (None: not of the rank the planner predicts)
     tokens_per_gpu_s: float | None = None  # measured, where the row's section gives it
 
 
@@ -69,6 +69,14 @@ ROWS = [
     Row("llama3_8b, FSDP 4, op-level SAC, bf16", "llama3_8b, 4 x H100", EIGHT_B, 4, 53.0, 9_269),
     Row("llama3_8b, same, float8 tensorwise + float8 all-gather", "llama3_8b, 4 x H100", EIGHT_B + F8_FSDP, 4,
         52.8, 11_423),
+    # "Layouts against torchtitan 0.2.0: the first GPU rows of bench_layouts.sh", 2026-11-28, 4 x H200. The PP row's
+    # peak is left out: that trainer logged rank 0 only (the first stage, 69.5 GiB), the planner predicts the
+    # heaviest stage (the last: the logits and the head's gradient); the trainer now logs the largest over the ranks
+    Row("llama3_8b, FSDP 2 x TP 2, bf16", "llama3_8b, 4 x H200", EIGHT_B_LAYOUT + " --parallelism.dp_shard 2 "
+        "--parallelism.tp 2 --training.local_batch_size 2", 4, 68.4, 8_716),
+    Row("llama3_8b, PP 2 x FSDP 2, 1F1B, 8 micro-batches, bf16", "llama3_8b, 4 x H200", EIGHT_B_LAYOUT
+        + " --parallelism.pp 2 --parallelism.dp_shard 2 --training.local_batch_size 8 --parallelism.pp_microbatches 8 "
+        "--parallelism.pp_schedule 1F1B", 4, None, 9_327),
     # "This session's four device calls", call 2 (bench_structure.sh), 2026-11-27, one H100
     Row("1b, 1 GPU (structure bench)", "1b, 1 x H100 (structure)", ONE_B, 1, 48.32),
     # "MoDE at the Zen-like shape on 4 GPUs" (issue 40), 2026-11-27, 4 x H100; speeds: see the docstring
@@ -130,7 +138,8 @@ def predicted() -> dict[str, tuple[float, float]]:
     return out
 
 
-@pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
+@pytest.mark.parametrize("row", [r for r in ROWS if r.peak_gib is not None],
+                         ids=[r.name for r in ROWS if r.peak_gib is not None])
 def test_predicted_peak_within_10_percent_of_measured(row, predicted):
     peak, _ = predicted[row.name]
     assert peak == pytest.approx(row.peak_gib, rel=PEAK_TOLERANCE), (row.name, peak, row.peak_gib)
