@@ -7,16 +7,18 @@ torchao 0.17 does this with one program per (column block, expert) that walks th
 Zen-shaped MoDE (64 experts, the hottest getting ~10x the mean rows) that kernel took 42 ms of a 241 ms step on
 one H200 (RESULTS.md), about 12x its bytes' worth.
 
-Here the grid runs over fixed tiles of rows x columns whatever the groups, so a hot expert spreads over as many
-programs as its rows fill. Token groups start and end on multiples of 16 rows (the GEMM's own requirement), so
-a 16-row slice lies in one group: pass 1 walks its rows 16 at a time, keeps a running column maximum while the
-group stays the same and folds it into the (group, column) table with one atomic max when the group changes;
-pass 2 casts 64-row tiles with each row's group's scale and stores them column-major. Scales are computed
-between the passes exactly as torchao computes its own (float64 division, rounded down to a power of two), so
-the two paths give the same bits.
+Here the grid runs over fixed 64 x 128 tiles whatever the groups, so a hot expert spreads over as many programs
+as its rows fill. Token groups start and end on multiples of 16 rows (the GEMM's own requirement), so a 16-row
+slice lies in one group: pass 1 folds each tile's column maxima into the (group, column) table with one atomic
+max per column (one per 16-row slice where a group boundary crosses the tile); pass 2 casts each tile with its
+rows' groups' scales and stores it transposed (column-major). Scales are computed between the passes as torchao
+computes its own (float64 division, rounded down to a power of two), and the cast is Triton's, as in torchao's
+kernel, so the two give the same bits on a GPU.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -24,8 +26,7 @@ import triton.language as tl
 
 from torchtitan_ext.quant.float8_experts import E4M3, scales_from_amax
 
-AMAX_ROWS = 256  # rows per pass-1 program, walked 16 at a time
-CAST_ROWS = 64  # rows per pass-2 tile
+TILE_ROWS = 64  # rows per program of either pass
 BLOCK_COLS = 128
 
 
@@ -48,8 +49,8 @@ def _groups_of(rows, ends_ptr, n_groups, GROUPS_POW2: tl.constexpr):
 @triton.jit
 def _round_to_e4m3(v):
     """``v`` (float32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, still in float32, so that
-    the cast to float8 that follows is exact. The GPU's cast rounds the same way; Triton's CPU interpreter
-    rounds ties away and drops the carry into the exponent, and this keeps the two paths bit-equal. An e4m3
+    the cast to float8 that follows is exact: Triton's CPU interpreter rounds ties away and drops the carry
+    into the exponent, where the GPU's cast rounds to nearest even. An e4m3
     value has 3 mantissa bits, so near ``v`` the grid step is 2^(exponent(v) - 3), and 2^-9 below the normal
     range; adding and subtracting 1.5 x 2^(23 + that exponent) rounds to the step in float32 arithmetic."""
     a = tl.abs(v)
@@ -64,36 +65,40 @@ def _round_to_e4m3(v):
 def _group_col_amax_kernel(x_ptr, ends_ptr, amax_ptr, n_rows, n_cols, n_groups, stride_row,
                            ROWS: tl.constexpr, BLOCK: tl.constexpr, GROUPS_POW2: tl.constexpr):
     row0 = tl.program_id(0) * ROWS
+    rows = row0 + tl.arange(0, ROWS)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     col_ok = cols < n_cols
-    slice_rows = tl.arange(0, 16)
-    group = _group_of(row0, ends_ptr, n_groups, GROUPS_POW2)
-    running = tl.zeros([BLOCK], dtype=tl.float32)
-    for i in range(0, ROWS, 16):
-        g = _group_of(row0 + i, ends_ptr, n_groups, GROUPS_POW2)
-        if g != group:  # a new group starts at this slice: fold the finished one in
-            tl.atomic_max(amax_ptr + group * n_cols + cols, running, mask=col_ok & (group < n_groups))
-            running = tl.zeros([BLOCK], dtype=tl.float32)
-            group = g
-        rows = row0 + i + slice_rows
-        ok = (rows[:, None] < n_rows) & col_ok[None, :]
-        x = tl.load(x_ptr + rows[:, None] * stride_row + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-        running = tl.maximum(running, tl.max(tl.abs(x), axis=0))
-    tl.atomic_max(amax_ptr + group * n_cols + cols, running, mask=col_ok & (group < n_groups))
+    ok = (rows[:, None] < n_rows) & col_ok[None, :]
+    ax = tl.abs(tl.load(x_ptr + rows[:, None] * stride_row + cols[None, :], mask=ok, other=0.0).to(tl.float32))
+    first = _group_of(row0, ends_ptr, n_groups, GROUPS_POW2)
+    last = _group_of(row0 + ROWS - 16, ends_ptr, n_groups, GROUPS_POW2)
+    if first == last:  # the usual case: the whole tile in one group, one atomic max per column
+        tl.atomic_max(amax_ptr + first * n_cols + cols, tl.max(ax, axis=0), mask=col_ok & (first < n_groups))
+    else:  # a group boundary inside the tile: one per 16-row slice (each lies in one group)
+        for s in tl.static_range(0, ROWS, 16):
+            g = _group_of(row0 + s, ends_ptr, n_groups, GROUPS_POW2)
+            in_slice = (rows >= row0 + s) & (rows < row0 + s + 16)
+            slice_max = tl.max(tl.where(in_slice[:, None], ax, 0.0), axis=0)
+            tl.atomic_max(amax_ptr + g * n_cols + cols, slice_max, mask=col_ok & (g < n_groups))
 
 
 @triton.jit
 def _group_col_cast_kernel(x_ptr, ends_ptr, scales_ptr, out_ptr, n_rows, n_cols, n_groups, stride_row,
                            FP8_MAX: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                           GROUPS_POW2: tl.constexpr):
+                           GROUPS_POW2: tl.constexpr, INTERPRETED: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     group = _groups_of(rows, ends_ptr, n_groups, GROUPS_POW2)
     ok = (rows[:, None] < n_rows) & (cols[None, :] < n_cols) & (group[:, None] < n_groups)
     x = tl.load(x_ptr + rows[:, None] * stride_row + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     scale = tl.load(scales_ptr + group[:, None] * n_cols + cols[None, :], mask=ok, other=0.0)
-    y = _round_to_e4m3(tl.clamp(x * scale, -FP8_MAX, FP8_MAX)).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + cols[None, :] * n_rows + rows[:, None], y, mask=ok)  # column-major
+    y = tl.clamp(x * scale, -FP8_MAX, FP8_MAX)
+    if INTERPRETED:  # the CPU interpreter's float8 cast does not round to nearest even: round first
+        y = _round_to_e4m3(y)
+    # stored transposed, so that each column's rows are contiguous (column-major) and the stores coalesce
+    y_t = tl.trans(y.to(out_ptr.dtype.element_ty))
+    ok_t = tl.trans(ok)
+    tl.store(out_ptr + cols[:, None] * n_rows + rows[None, :], y_t, mask=ok_t)
 
 
 @torch.library.custom_op("torchtitan_ext::group_colwise_cast", mutates_args=())
@@ -110,15 +115,14 @@ def group_colwise_cast(x: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tenso
     groups = ends.numel()
     groups_pow2 = triton.next_power_of_2(max(groups, 1))
     amax = torch.zeros(groups, cols, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(rows, AMAX_ROWS), triton.cdiv(cols, BLOCK_COLS))
-    _group_col_amax_kernel[grid](x, ends, amax, rows, cols, groups, x.stride(0), ROWS=AMAX_ROWS, BLOCK=BLOCK_COLS,
+    grid = (triton.cdiv(rows, TILE_ROWS), triton.cdiv(cols, BLOCK_COLS))
+    _group_col_amax_kernel[grid](x, ends, amax, rows, cols, groups, x.stride(0), ROWS=TILE_ROWS, BLOCK=BLOCK_COLS,
                                  GROUPS_POW2=groups_pow2)
     scales = scales_from_amax(amax)
     out = torch.empty_strided((rows, cols), (1, rows), dtype=E4M3, device=x.device)
-    grid = (triton.cdiv(rows, CAST_ROWS), triton.cdiv(cols, BLOCK_COLS))
     _group_col_cast_kernel[grid](x, ends, scales, out, rows, cols, groups, x.stride(0),
-                                 FP8_MAX=torch.finfo(E4M3).max, ROWS=CAST_ROWS, BLOCK=BLOCK_COLS,
-                                 GROUPS_POW2=groups_pow2)
+                                 FP8_MAX=torch.finfo(E4M3).max, ROWS=TILE_ROWS, BLOCK=BLOCK_COLS,
+                                 GROUPS_POW2=groups_pow2, INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1")
     return out, scales.reshape(-1)
 
 
