@@ -160,53 +160,68 @@ def _scaled_grouped_mm(a: torch.Tensor, b: torch.Tensor, a_scales: torch.Tensor,
 
 
 class _Float8GroupedMM(torch.autograd.Function):
-    """The float8 rowwise grouped GEMM on sm90 (``torch._scaled_grouped_mm``), forward and both gradients, with
-    torchao 0.17's scales and GEMMs but cheaper casts (RESULTS.md, the Zen-shaped MoDE on one H200):
-      * the weight's forward cast is torchao's fused rowwise kernel on the (experts x out, in) view of ``w``;
-        torchao's own grouped GEMM casts it with five elementwise passes over the float32 weight;
-      * the weight gradient's per-(expert, column) casts are ``group_colwise_cast`` (a grid over fixed tiles,
+    """The float8 rowwise grouped GEMMs of one input with one or more weights on sm90 (``torch._scaled_grouped_mm``),
+    forward and both gradients, with torchao 0.17's scales and GEMMs but cheaper casts (RESULTS.md, the
+    Zen-shaped MoDE on one H200):
+      * the input is cast once for all its weights (a SwiGLU expert's w1 and w3), forward and backward;
+      * the weight's forward cast is torchao's fused rowwise kernel on the (experts x out, in) view of the
+        weight; torchao's own grouped GEMM casts it with five elementwise passes over the float32 weight;
+      * the weight gradients' per-(expert, column) casts are ``group_colwise_cast`` (a grid over fixed tiles,
         not one program per expert), where torchao's per-expert kernel took 18% of the step.
-    ``x``: (rows, in) bf16, row-major; ``w``: (experts, out, in); ``ends``: int32 group ends, multiples of 16."""
+    ``x``: (rows, in) bf16, row-major; ``ends``: int32 group ends, multiples of 16; each weight (experts, out,
+    in). Returns one (rows, out) bf16 output per weight."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, ends: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
         from torchao.prototype.moe_training.kernels import triton_fp8_rowwise_2d_scale_and_cast as rowwise
 
-        experts, out_features, in_features = w.shape
         x_data, x_scales = rowwise(x, output_dtype=E4M3, round_scales_to_power_of_2=True)
-        w_data, w_scales = rowwise(w.reshape(experts * out_features, in_features), output_dtype=E4M3,
-                                   round_scales_to_power_of_2=True)
-        ctx.save_for_backward(x, w, ends)
-        return _scaled_grouped_mm(x_data, w_data.view(w.shape).transpose(-2, -1), x_scales.squeeze(-1),
-                                  w_scales.view(experts, out_features), ends)
+        outs = []
+        for w in weights:
+            experts, out_features, in_features = w.shape
+            w_data, w_scales = rowwise(w.reshape(experts * out_features, in_features), output_dtype=E4M3,
+                                       round_scales_to_power_of_2=True)
+            outs.append(_scaled_grouped_mm(x_data, w_data.view(w.shape).transpose(-2, -1), x_scales.squeeze(-1),
+                                           w_scales.view(experts, out_features), ends))
+        ctx.save_for_backward(x, ends, *weights)
+        return tuple(outs)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx, *grads: torch.Tensor):
         from torchao.prototype.moe_training.kernels import triton_fp8_rowwise_2d_scale_and_cast as rowwise
         from torchao.prototype.moe_training.kernels import triton_fp8_rowwise_3d_transpose_rhs as columnwise_3d
 
         from torchtitan_ext.quant.float8_group_cast import group_colwise_cast
 
-        x, w, ends = ctx.saved_tensors
-        grad = grad.contiguous()
-        g_data, g_scales = rowwise(grad, output_dtype=E4M3, round_scales_to_power_of_2=True)
-        wt_data, wt_scales = columnwise_3d(w.transpose(-2, -1), output_dtype=E4M3, round_scales_to_power_of_2=True)
-        grad_x = _scaled_grouped_mm(g_data, wt_data, g_scales.squeeze(-1), wt_scales.squeeze(1), ends)
-        g_cols, g_col_scales = group_colwise_cast(grad, ends)
+        x, ends, *weights = ctx.saved_tensors
+        grad_x, grad_ws = None, []
         x_cols, x_col_scales = group_colwise_cast(x, ends)
-        grad_w = _scaled_grouped_mm(g_cols.t(), x_cols, g_col_scales, x_col_scales, ends)  # (experts, out, in)
-        return grad_x, grad_w, None
+        for w, grad in zip(weights, grads, strict=True):
+            if grad is None:  # this output did not reach the loss
+                grad_ws.append(None)
+                continue
+            grad = grad.contiguous()
+            g_data, g_scales = rowwise(grad, output_dtype=E4M3, round_scales_to_power_of_2=True)
+            wt_data, wt_scales = columnwise_3d(w.transpose(-2, -1), output_dtype=E4M3,
+                                               round_scales_to_power_of_2=True)
+            part = _scaled_grouped_mm(g_data, wt_data, g_scales.squeeze(-1), wt_scales.squeeze(1), ends)
+            grad_x = part if grad_x is None else grad_x + part
+            g_cols, g_col_scales = group_colwise_cast(grad, ends)
+            grad_ws.append(_scaled_grouped_mm(g_cols.t(), x_cols, g_col_scales, x_col_scales, ends))  # (E, out, in)
+        return grad_x, None, *grad_ws
 
 
-def float8_grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, emulate: bool) -> torch.Tensor:
-    """``grouped_mm`` (row block g of x times ``w[g].T``) in float8 rowwise; every end a multiple of 16.
+def float8_grouped_mm(x: torch.Tensor, weights: tuple[torch.Tensor, ...], ends: torch.Tensor,
+                      emulate: bool) -> tuple[torch.Tensor, ...]:
+    """``grouped_mm`` of ``x`` with each weight (row block g of x times ``w[g].T``) in float8 rowwise; every
+    end a multiple of 16.
 
     On CUDA ``_Float8GroupedMM`` in bf16 out (kept bf16 under autocast, as ``grouped_mm`` does); with
-    ``emulate`` or off CUDA, ``_EmulatedFloat8GroupedMM``."""
+    ``emulate`` or off CUDA, ``_EmulatedFloat8GroupedMM`` per weight."""
     if emulate or not x.is_cuda:
-        return _EmulatedFloat8GroupedMM.apply(x, w.transpose(-2, -1), ends)
-    out = _Float8GroupedMM.apply(x.bfloat16().contiguous(), w, ends.int())
-    return out if torch.is_autocast_enabled("cuda") else out.to(x.dtype)
+        return tuple(_EmulatedFloat8GroupedMM.apply(x, w.transpose(-2, -1), ends) for w in weights)
+    outs = _Float8GroupedMM.apply(x.bfloat16().contiguous(), ends.int(), *weights)
+    return outs if torch.is_autocast_enabled("cuda") else tuple(out.to(x.dtype) for out in outs)
 
 
 class Float8GroupedExperts(GroupedExperts):
@@ -221,9 +236,9 @@ class Float8GroupedExperts(GroupedExperts):
         w1, w2, w3 = self.local_weights()
         plan = pad_plan(counts, x.shape[0])
         xp = pad_rows(x, plan)
-        h = F.silu(float8_grouped_mm(xp, w1, plan.ends, self.emulate)) * \
-            float8_grouped_mm(xp, w3, plan.ends, self.emulate)
-        return unpad_rows(float8_grouped_mm(h, w2, plan.ends, self.emulate), plan)
+        h1, h3 = float8_grouped_mm(xp, (w1, w3), plan.ends, self.emulate)
+        (out,) = float8_grouped_mm(F.silu(h1) * h3, (w2,), plan.ends, self.emulate)
+        return unpad_rows(out, plan)
 
 
 def check_float8_experts(cfg: Float8Section, args: ModelArgs) -> None:

@@ -86,13 +86,22 @@ def _group_col_amax_kernel(x_ptr, ends_ptr, amax_ptr, n_rows, n_cols, n_groups, 
 def _group_col_cast_kernel(x_ptr, ends_ptr, scales_ptr, out_ptr, n_rows, n_cols, n_groups, stride_row,
                            FP8_MAX: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
                            GROUPS_POW2: tl.constexpr, INTERPRETED: tl.constexpr):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row0 = tl.program_id(0) * ROWS
+    rows = row0 + tl.arange(0, ROWS)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    group = _groups_of(rows, ends_ptr, n_groups, GROUPS_POW2)
-    ok = (rows[:, None] < n_rows) & (cols[None, :] < n_cols) & (group[:, None] < n_groups)
+    col_ok = cols < n_cols
+    first = _group_of(row0, ends_ptr, n_groups, GROUPS_POW2)
+    last = _group_of(row0 + ROWS - 16, ends_ptr, n_groups, GROUPS_POW2)
+    ok = (rows[:, None] < n_rows) & col_ok[None, :]
     x = tl.load(x_ptr + rows[:, None] * stride_row + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    scale = tl.load(scales_ptr + group[:, None] * n_cols + cols[None, :], mask=ok, other=0.0)
-    y = tl.clamp(x * scale, -FP8_MAX, FP8_MAX)
+    if first == last:  # the usual case: one group, one row of scales for the tile
+        scale = tl.load(scales_ptr + first * n_cols + cols, mask=col_ok & (first < n_groups), other=0.0)
+        y = x * scale[None, :]
+    else:  # a group boundary inside the tile: each row's own group's scales
+        group = _groups_of(rows, ends_ptr, n_groups, GROUPS_POW2)
+        ok = ok & (group[:, None] < n_groups)
+        y = x * tl.load(scales_ptr + group[:, None] * n_cols + cols[None, :], mask=ok, other=0.0)
+    y = tl.clamp(y, -FP8_MAX, FP8_MAX)
     if INTERPRETED:  # the CPU interpreter's float8 cast does not round to nearest even: round first
         y = _round_to_e4m3(y)
     # stored transposed, so that each column's rows are contiguous (column-major) and the stores coalesce

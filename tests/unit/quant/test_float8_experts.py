@@ -112,7 +112,7 @@ def test_padding_rows_get_no_gradient_and_gradients_equal_unpadded(counts):
     plan = f8e.pad_plan(torch.tensor(counts), x.shape[0])
     xp = f8e.pad_rows(x, plan)
     xp.retain_grad()
-    yp = f8e.float8_grouped_mm(xp, wa, plan.ends, emulate=True)
+    (yp,) = f8e.float8_grouped_mm(xp, (wa,), plan.ends, emulate=True)
     yp.retain_grad()
     y = f8e.unpad_rows(yp, plan)
     g = torch.randn_like(y)
@@ -145,8 +145,9 @@ def test_module_gradients_equal_unpadded(counts):
     g = torch.randn(x.shape[0], 32, dtype=torch.float64)
     (m(xa, torch.tensor(counts)) * g).sum().backward()
     ends = torch.tensor(counts).cumsum(0)
-    h = F.silu(f8e.float8_grouped_mm(xb, ref.w1, ends, True)) * f8e.float8_grouped_mm(xb, ref.w3, ends, True)
-    (f8e.float8_grouped_mm(h, ref.w2, ends, True) * g).sum().backward()
+    h = F.silu(f8e.float8_grouped_mm(xb, (ref.w1,), ends, True)[0]) * f8e.float8_grouped_mm(xb, (ref.w3,), ends,
+                                                                                           True)[0]
+    (f8e.float8_grouped_mm(h, (ref.w2,), ends, True)[0] * g).sum().backward()
     torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-12, atol=1e-12)
     for name in ("w1", "w2", "w3"):
         torch.testing.assert_close(getattr(m, name).grad, getattr(ref, name).grad, rtol=1e-12, atol=1e-12)

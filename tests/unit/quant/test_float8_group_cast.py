@@ -96,8 +96,10 @@ def test_gpu_cast_matches_torchao_and_reference():
 @pytest.mark.skipif(_gpu_skip_reason() is not None, reason=str(_gpu_skip_reason()))
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
 def test_gpu_grouped_mm_equals_torchao(weight_dtype):
-    """Forward and both gradients of ``_Float8GroupedMM`` equal torchao's ``_to_fp8_rowwise_then_scaled_grouped_mm``
-    bit for bit: the same scales and GEMMs, only the casts run through other kernels."""
+    """``_Float8GroupedMM`` of one input with two weights (a SwiGLU expert's w1 and w3: the input cast once)
+    against torchao's ``_to_fp8_rowwise_then_scaled_grouped_mm`` once per weight: both outputs and both weight
+    gradients bit for bit (the same scales and GEMMs, only the casts run through other kernels); the input
+    gradient is the sum of the two GEMMs' in both, added in the same order."""
     from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
 
     from torchtitan_ext.quant.float8_experts import _Float8GroupedMM
@@ -105,16 +107,18 @@ def test_gpu_grouped_mm_equals_torchao(weight_dtype):
     gen = torch.Generator().manual_seed(0)
     ends = torch.tensor([0, 512, 528, 528, 2048, 2304], dtype=torch.int32, device="cuda")
     x0 = torch.randn(2304, 256, generator=gen).bfloat16().cuda()
-    w0 = (torch.randn(6, 192, 256, generator=gen) * 0.05).to(weight_dtype).cuda()
-    g = torch.randn(2304, 192, generator=gen).bfloat16().cuda()
+    ws0 = [(torch.randn(6, 192, 256, generator=gen) * 0.05).to(weight_dtype).cuda() for _ in range(2)]
+    gs = [torch.randn(2304, 192, generator=gen).bfloat16().cuda() for _ in range(2)]
+
+    def torchao(x, ws):
+        return tuple(_to_fp8_rowwise_then_scaled_grouped_mm(x, w.transpose(-2, -1), ends,
+                                                            pad_token_groups_for_grouped_mm=False) for w in ws)
     results = []
-    for fn in (lambda x, w: _Float8GroupedMM.apply(x, w, ends),
-               lambda x, w: _to_fp8_rowwise_then_scaled_grouped_mm(x, w.transpose(-2, -1), ends,
-                                                                      pad_token_groups_for_grouped_mm=False)):
-        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
-        y = fn(x, w)
-        y.backward(g)
-        results.append((y, x.grad, w.grad))
+    for fn in (lambda x, ws: _Float8GroupedMM.apply(x, ends, *ws), torchao):
+        x, ws = x0.clone().requires_grad_(), [w.clone().requires_grad_() for w in ws0]
+        ys = fn(x, ws)
+        torch.autograd.backward(ys, gs)
+        results.append([*ys, x.grad, *(w.grad for w in ws)])
     for ours, theirs in zip(*results, strict=True):
         assert torch.isfinite(ours).all()
         assert torch.equal(ours, theirs)
