@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the package, from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cuda_timing import timed  # noqa: E402  (this folder)
 
 
 def group_ends(rows: int, groups: int, skew: float) -> torch.Tensor:
@@ -35,18 +36,6 @@ def group_ends(rows: int, groups: int, skew: float) -> torch.Tensor:
     return torch.tensor(sizes, device="cuda").cumsum(0).int()
 
 
-def timed(fn, iters: int) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -67,8 +56,8 @@ def main() -> None:
     for name, (cols_a, cols_b) in {"w1_w3": (1408, 2048), "w2": (2048, 1408)}.items():
         a = torch.randn(args.rows, cols_a, device="cuda").bfloat16()
         b = torch.randn(args.rows, cols_b, device="cuda").bfloat16()
-        ours_ms = timed(lambda a=a, b=b: (group_colwise_cast(a, ends), group_colwise_cast(b, ends)), args.iters)
-        theirs_ms = timed(lambda a=a, b=b: torchao_dual(a, b, ends, torch.float8_e4m3fn, True), args.iters)
+        ours_ms = timed(lambda a=a, b=b: (group_colwise_cast(a, ends), group_colwise_cast(b, ends)), args.iters, 5)
+        theirs_ms = timed(lambda a=a, b=b: torchao_dual(a, b, ends, torch.float8_e4m3fn, True), args.iters, 5)
         (da, sa), (db, sb) = group_colwise_cast(a, ends), group_colwise_cast(b, ends)
         ta, tsa, tb, tsb = torchao_dual(a, b, ends, torch.float8_e4m3fn, True)
         same = all(torch.equal(x.view(torch.uint8) if x.dtype != torch.float32 else x,

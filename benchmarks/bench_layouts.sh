@@ -93,14 +93,7 @@ for r in $ROWS; do
     [[ " $ALL_ROWS " == *" $r "* ]] || { echo "error: unknown row '$r' (benchmarks/bench_layouts.sh --list)"; exit 2; }
 done
 
-mkdir -p "$OUT_DIR" "$WORK"
-OUT_DIR=$(cd "$OUT_DIR" && pwd)
-OUT=$WORK  # benchmarks/run_job.sh writes run folders and logs here
-export PYTHONUNBUFFERED=1 PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-# NVLink multicast (NVLS) off: it can take a shared host's GPUs out of service.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-PY="${PY:-python3}"
-[ -x .venv/bin/python ] && ! "$PY" -c "import torch" 2>/dev/null && PY=$ROOT/.venv/bin/python
+source benchmarks/bench_env.sh
 SUMMARY=$OUT_DIR/summary.jsonl
 : > "$SUMMARY"
 T_START=$SECONDS

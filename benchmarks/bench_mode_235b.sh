@@ -31,17 +31,9 @@ case ${1:-} in
         exit 2 ;;
 esac
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-ROOT=$PWD
 OUT_DIR="${OUT_DIR:-${1:-/tmp/bench_mode_235b_out}}"
 WORK="${WORK:-/tmp/bench_mode_235b}"
-OUT=$WORK  # run_job.sh writes run folders and logs here
-mkdir -p "$OUT_DIR" "$WORK"
-OUT_DIR=$(cd "$OUT_DIR" && pwd)
-export PYTHONUNBUFFERED=1 PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-# NVLink multicast (NVLS) off: it can take a shared host's GPUs out of service.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-PY="${PY:-python3}"
-[ -x .venv/bin/python ] && ! "$PY" -c "import torch" 2>/dev/null && PY=$ROOT/.venv/bin/python
+source benchmarks/bench_env.sh
 if [ "$SMOKE" = 1 ]; then
     GPU_MIB=81920
     export OMP_NUM_THREADS=1 CUDA_VISIBLE_DEVICES=""

@@ -18,7 +18,6 @@ NameError on the kernel's ``out_dtype`` constant).
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 import traceback
 from collections.abc import Callable
@@ -31,22 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from torchtitan_ext.quant.float8_blockwise import BlockwiseFloat8Linear  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cuda_timing import timed  # noqa: E402  (this folder)
+
 E4M3 = torch.float8_e4m3fn
-
-
-def timed(fn: Callable[[], object], iters: int = 20) -> float:
-    """Median milliseconds of ``fn`` after 3 warm-up calls."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def gemm_probe(m: int = 8192, k: int = 4096, n: int = 14336) -> dict:
