@@ -34,12 +34,11 @@ from torchtitan_ext.config.job_config import Float8Section
 from torchtitan_ext.errors import ConfigError
 from torchtitan_ext.models.args import ModelArgs
 from torchtitan_ext.models.mode import GroupedExperts
+from torchtitan_ext.quant.float8_scales import E4M3, scales_from_amax
 
 logger = logging.getLogger(__name__)
 
 ALIGN = 16  # rows per token group: torch._scaled_grouped_mm's requirement on sm90
-E4M3 = torch.float8_e4m3fn
-EPS = 1e-12  # torchao's amax floor: an all-zero row gets a finite scale and quantises to zeros
 
 
 def padded_rows(rows: int, groups: int) -> int:
@@ -103,13 +102,6 @@ def pad_rows(x: torch.Tensor, plan: PadPlan) -> torch.Tensor:
 def unpad_rows(y: torch.Tensor, plan: PadPlan) -> torch.Tensor:
     """The padded buffer -> the real rows; the padding rows get a zero gradient."""
     return _GatherRows.apply(y, plan.dest, plan.src, False)
-
-
-def scales_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    """torchao's rowwise scale: 448 / amax (floored at EPS, divided in float64), rounded down to a power of two,
-    in float32; data = saturate(x * scale)."""
-    scale = (torch.finfo(E4M3).max / amax.to(torch.float64).clamp(min=EPS)).float()
-    return torch.exp2(torch.floor(torch.log2(scale)))
 
 
 def fake_quantize(x: torch.Tensor, dim: int) -> torch.Tensor:

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from torchtitan_ext.quant.float8_experts import E4M3, scales_from_amax
+from torchtitan_ext.quant.float8_scales import E4M3, scales_from_amax
 
 TILE_ROWS = 64  # rows per program of either pass
 BLOCK_COLS = 128

@@ -20,7 +20,7 @@ CASES = [(96, 40, [0, 16, 16, 48, 96]), (640, 136, [16, 560, 576, 576, 640]), (1
 
 def reference(x: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One group at a time: the column maxima over the group's rows, torchao's scales, saturate(x * scale)."""
-    from torchtitan_ext.quant.float8_experts import E4M3, scales_from_amax
+    from torchtitan_ext.quant.float8_scales import E4M3, scales_from_amax
 
     starts = [0, *ends.tolist()[:-1]]
     amax = torch.stack([x[s:e].float().abs().amax(dim=0) if e > s else x.new_zeros(x.shape[1], dtype=torch.float32)
