@@ -53,6 +53,10 @@ if [ "$SMOKE" = 1 ]; then
     RUNS="${RUNS:-ep1 ep2 profile}"
 else
     NPROC="${NPROC:-4}"
+    case $NPROC in
+        1|2|3|4|5|6|7|8) ;;
+        *) echo "error: NPROC='$NPROC': expected a number of GPUs, 1 to 8" >&2; exit 2 ;;
+    esac
     MODEL=(--model.dim 2048 --model.n_heads 16 --model.n_kv_heads 8 --model.n_layers 8 --model.n_experts 64
            --model.top_k 2 --model.moe_hidden 1408 --model.vocab_size 32000 --training.seq_len 2048
            --training.local_batch_size 8 --metrics.log_freq 5)
