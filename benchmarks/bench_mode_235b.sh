@@ -23,13 +23,7 @@
 # Prints one JSON line per run (benchmarks/layouts_report.py row; resume: benchmarks/scale_report.py resume) and
 # appends it to OUT_DIR/summary.jsonl; OUT_DIR/logs.tar.gz holds the logs and the planner's outputs.
 set -uo pipefail
-SMOKE=0
-case ${1:-} in
-    -h|--help) sed -n '2,/^set -uo pipefail/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-    --smoke) SMOKE=1; shift ;;
-    -*) echo "error: unknown argument '$1' (--smoke, --help; OUT_DIR as the argument or in the environment)" >&2
-        exit 2 ;;
-esac
+source "$(dirname "${BASH_SOURCE[0]}")/bench_args.sh"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT_DIR="${OUT_DIR:-${1:-/tmp/bench_mode_235b_out}}"
 WORK="${WORK:-/tmp/bench_mode_235b}"
@@ -77,14 +71,6 @@ RESUME=(--model.n_layers 1 --model.vocab_size "$RESUME_VOCAB" --training.seq_len
         --training.local_batch_size 2 --parallelism.pp 1 --parallelism.dp_shard 4 --training.steps 10
         --metrics.log_freq 1 --checkpoint.enabled true --checkpoint.interval 5 --checkpoint.keep_latest_k 0)
 
-budget() {  # budget NAME: set LIMIT to what is left (at most RUN_LIMIT); false, with a JSON line, under 60 s
-    local left=$(( DEADLINE - (SECONDS - T_START) ))
-    if [ "$left" -lt 60 ]; then
-        echo "{\"run\": \"$1\", \"error\": \"skipped: $left s left of DEADLINE=$DEADLINE\"}" | tee -a "$SUMMARY"
-        return 1
-    fi
-    LIMIT=$(( RUN_LIMIT < left ? RUN_LIMIT : left ))
-}
 train() {  # train NAME ARGS...: our trainer on 4 GPUs into $WORK/NAME
     local name=$1; shift
     run_job "$name" "$LIMIT" "$PY" -m torch.distributed.run --standalone --nproc_per_node 4 \

@@ -29,13 +29,7 @@
 # step 10, peak memory (allocated, reserved), first/last loss, expert load imbalance (max / mean routed tokens per
 # expert at the last logged step, mean and worst over layers), parameter counts, wall time.
 set -uo pipefail
-SMOKE=0
-case ${1:-} in
-    -h|--help) sed -n '2,/^set -uo pipefail/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-    --smoke) SMOKE=1; shift ;;
-    -*) echo "error: unknown argument '$1' (--smoke, --help; OUT_DIR as the argument or in the environment)" >&2
-        exit 2 ;;
-esac
+source "$(dirname "${BASH_SOURCE[0]}")/bench_args.sh"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$PWD
 OUT_DIR="${OUT_DIR:-${1:-/tmp/bench_mode_scale_out}}"
@@ -114,14 +108,6 @@ tt_run() {  # torchtitan 0.2.0, EP 4 (EP = NPROC), from the carried wheels
 }
 
 DEADLINE="${DEADLINE:-560}"  # seconds for the whole script: a run starts only with 60 s left, and is cut at the deadline
-budget() {  # budget NAME: set LIMIT to what is left (at most RUN_LIMIT); false, with a JSON line, under 60 s
-    local left=$(( DEADLINE - (SECONDS - T_START) ))
-    if [ "$left" -lt 60 ]; then
-        echo "{\"run\": \"$1\", \"error\": \"skipped: $left s left of DEADLINE=$DEADLINE\"}" | tee -a "$SUMMARY"
-        return 1
-    fi
-    LIMIT=$(( RUN_LIMIT < left ? RUN_LIMIT : left ))
-}
 for r in $RUNS; do
     case $r in
         ep[0-9]*)

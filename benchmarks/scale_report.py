@@ -32,6 +32,14 @@ def _wall(argv: list[str]) -> dict:
     return {"wall_s": int(argv[argv.index("--wall") + 1])} if "--wall" in argv else {}
 
 
+def _metrics(folder: Path) -> list[dict] | None:
+    """The rows of a run folder's metrics.jsonl, or None when it has none (the run failed)."""
+    try:
+        return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    except FileNotFoundError:
+        return None
+
+
 def ours(folder: Path, argv: list[str]) -> dict:
     out = {"run": folder.name, **_wall(argv)}
     log = folder.with_name(folder.name + ".log")
@@ -39,9 +47,7 @@ def ours(folder: Path, argv: list[str]) -> dict:
     m = re.search(r"model \S+: ([\d,]+) parameters \(([\d,]+) active", text)
     if m:
         out["params"], out["active_params"] = (int(g.replace(",", "")) for g in m.groups())
-    try:
-        rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    except FileNotFoundError:
+    if (rows := _metrics(folder)) is None:
         out["error"] = "no metrics.jsonl (run failed)"
         return out
     train = [r for r in rows if "loss" in r and "tokens_per_sec" in r]
@@ -108,11 +114,7 @@ def tt(name: str, log: Path, argv: list[str]) -> dict:
 
 
 def _losses(folder: Path) -> dict[int, float]:
-    try:
-        lines = (folder / "metrics.jsonl").read_text().splitlines()
-    except FileNotFoundError:
-        return {}
-    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
+    return {r["step"]: r["loss"] for r in _metrics(folder) or [] if "loss" in r}
 
 
 def resume(saved: Path, resumed: Path) -> dict:

@@ -12,10 +12,15 @@ import torch.distributed as dist
 GIB = 2**30
 
 
+def _alone() -> bool:
+    """No process group, or a group of one."""
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1
+
+
 def largest_over_ranks(values: dict[str, float], device: torch.device) -> dict[str, float]:
     """``values`` with each figure replaced by its maximum over the default process group's ranks (one
     all-reduce; every rank must call it). Without a process group, or alone in it: ``values`` unchanged."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if _alone():
         return dict(values)
     keys = sorted(values)
     peaks = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device)
@@ -31,7 +36,7 @@ def peak_memory_metrics(device: torch.device) -> dict[str, float]:
         return {}
     local = {"memory_gib": torch.cuda.max_memory_allocated(device) / GIB,
              "memory_reserved_gib": torch.cuda.max_memory_reserved(device) / GIB}
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if _alone():
         return local
     largest = largest_over_ranks(local, device)
     return {**local, "memory_max_gib": largest["memory_gib"], "memory_reserved_max_gib": largest["memory_reserved_gib"]}

@@ -24,6 +24,7 @@ from torchtitan_ext.models.args import ModelArgs
 from torchtitan_ext.parallel.dims import ParallelDims, ParallelDimsError
 
 GIB = 2**30
+PARAMS = "parameters (fp32)"
 GRADS = "gradients (fp32, all: at the optimizer step)"
 F32 = 4
 # FSDP keeps about two blocks unsharded at once: the one running and the one prefetched.
@@ -114,7 +115,7 @@ class Plan:
         without FSDP every gradient too, ``grads_at_backward``) and the optimizer step (every gradient, no
         activations)."""
         backward = sum(v for k, v in self.memory.items() if k != GRADS or self.grads_at_backward)
-        step = sum(self.memory[k] for k in ("parameters (fp32)", "optimizer state", GRADS))
+        step = sum(self.memory[k] for k in (PARAMS, "optimizer state", GRADS))
         return max(backward, step) * ALLOCATOR_OVERHEAD
 
 
@@ -216,7 +217,7 @@ def _parameter_memory(p: Plan, job: _Job) -> None:
     g, dims, args, t = job.g, job.dims, job.args, job.cfg.training
     local = ((job.block + job.ends) / dims.tp + g["norms"] * job.frac_layers) / job.shard
     muon = job.cfg.optimizer.name == "muon"
-    p.memory["parameters (fp32)"] = p.memory[GRADS] = F32 * local
+    p.memory[PARAMS] = p.memory[GRADS] = F32 * local
     head_grad = g["head"] or (g["embedding"] if args.tie_embeddings else 0)
     p.memory["head gradient (at the backward peak)"] = F32 * head_grad / dims.tp / job.shard
     muon_part = (g["matrices"] + g["experts"]) * job.frac_layers / dims.tp / job.shard if muon else 0.0

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 
 from torchtitan_ext.config.job_config import JobConfig
 from torchtitan_ext.errors import ConfigError, UserError
-from torchtitan_ext.plan.estimate import GIB, Plan, param_groups, plan
+from torchtitan_ext.plan.estimate import F32, GIB, PARAMS, Plan, param_groups, plan
 
 # Share of the step's compute that op-level selective AC adds (1b, fused CE: 90,811 vs 93,644 tokens/s).
 SELECTIVE_RECOMPUTE = 0.03
@@ -175,7 +175,7 @@ def step_time(cfg: JobConfig, p: Plan, hw: Hardware) -> StepTime:
     if data_parallel:
         exposed = max(FSDP_EXPOSED * data_parallel, data_parallel - compute - recompute) / data_parallel
         seconds = {k: v * exposed if k in DATA_PARALLEL_DIMS else v for k, v in seconds.items()}
-    optimizer = p.memory["parameters (fp32)"] / 4 * OPTIMIZER_BYTES_PER_PARAM / hw.memory_bw
+    optimizer = p.memory[PARAMS] / F32 * OPTIMIZER_BYTES_PER_PARAM / hw.memory_bw
     return StepTime(compute, recompute, bubble, passes, seconds, optimizer, tokens, p.world)
 
 
