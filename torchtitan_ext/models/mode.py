@@ -132,8 +132,11 @@ class GroupedExperts(nn.Module):
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(w1, w2, w3) of this rank's experts (under expert parallelism the weights are DTensors sharded by
-        expert), their gradients scaled by ``grad_scale``."""
+        expert), their gradients scaled by ``grad_scale``. On CUDA in bf16, the grouped GEMMs' dtype (already
+        so when FSDP holds them): the scaling then runs over bf16 gradients, half the bytes of fp32 ones."""
         w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
+        if w1.is_cuda:
+            w1, w2, w3 = w1.bfloat16(), w2.bfloat16(), w3.bfloat16()
         if self.grad_scale != 1.0:
             w1, w2, w3 = (ScaleGrad.apply(w, self.grad_scale) for w in (w1, w2, w3))
         return w1, w2, w3

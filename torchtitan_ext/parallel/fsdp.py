@@ -15,7 +15,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh | None, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
                reshard_after_forward: bool = True, experts_mesh: DeviceMesh | None = None,
-               moe_mesh: DeviceMesh | None = None, tp: int = 1) -> None:
+               moe_mesh: DeviceMesh | None = None, tp: int = 1, experts_unmanaged: bool = False) -> None:
     """Shard every transformer block, then the root (embeddings, final norm, output head).
 
     ``mesh`` is 1-D for FSDP and 2-D (replicate, shard) for HSDP; ``None`` shards only the MoDE layers (TP
@@ -24,15 +24,24 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh | None, param_dtype: torch.dty
     layer runs on each TP rank's own slice of the sequence, so its other parameters are sharded on
     ``moe_mesh`` (data-parallel x TP ranks): their gradients are summed over those ranks and divided by
     the data-parallel degree only (the mesh size over ``tp``).
+
+    ``experts_unmanaged``: expert parallelism spans every data-parallel rank (no replica, no pipeline), so each
+    expert lives on one rank only and its gradient needs no reduction: FSDP leaves the experts alone. A unit
+    over one rank would still copy every expert weight into a bf16 buffer before each forward and backward and
+    copy its gradient through an fp32 reduce buffer after, and run its hooks on the host in every layer; the
+    grouped GEMMs cast the weights themselves (``GroupedExperts.local_weights``).
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
     def shard(module: nn.Module, on: DeviceMesh, reshard: bool = reshard_after_forward) -> None:
-        fully_shard(module, mesh=on, mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(module, mesh=on, mp_policy=mp, reshard_after_forward=reshard, ignored_params=ignored or None)
 
+    ignored: set[nn.Parameter] = set()
     for block in model.layers.values():
         moe = block.feed_forward if isinstance(block.feed_forward, MoDE) else None
-        if moe is not None and experts_mesh is not None:
+        if moe is not None and experts_unmanaged:
+            ignored |= set(moe.experts.parameters())
+        elif moe is not None and experts_mesh is not None:
             shard(moe.experts, experts_mesh)
         if moe is not None and moe_mesh is not None:
             shard(moe, moe_mesh)
