@@ -27,7 +27,8 @@
 # env: ROWS (required on GPUs), STEPS (30; PP rows STEPS_PP, 20), LAYERS_32B (16), AC_HSDP (full), AC_ZBV (full),
 #      DEADLINE (560: seconds for the whole script; a row starts only if its expected time fits what is left and
 #      is cut at the deadline, so the call returns its results), OUT_DIR (summary.jsonl, table.txt, logs.tar.gz
-#      with every run's log and planner output), WORK (/tmp/bench_layouts: run folders), PY (python3)
+#      with every run's log and planner output), WORK (/tmp/bench_layouts: run folders), PY (python3), EXTRA
+#      (trainer overrides added to every row of ours, e.g. EXTRA="--training.gc_freq 0")
 # Metrics: the median over the windows ending after step 10 (benchmarks/scale_report.py, logged every 5 steps);
 # memory is rank 0's (ours: max allocated and reserved; torchtitan logs max reserved).
 set -uo pipefail
@@ -141,6 +142,8 @@ ours_args() {  # ours_args ROW: the trainer's arguments for ROW into the array A
         tp4) A+=(--parallelism.tp 4 --parallelism.dp_shard 1 --training.local_batch_size 4); fsdp=0 ;;
     esac
     A+=(--training.steps "$steps")
+    read -r -a extra <<< "${EXTRA:-}"
+    A+=("${extra[@]}")
     if (( f8 )); then
         A+=(--float8.enabled true --float8.recipe tensorwise)
         (( fsdp )) && A+=(--float8.enable_fsdp_float8_all_gather true
@@ -208,6 +211,8 @@ tt_args() {  # tt_args ROW: torchtitan's arguments for ROW (without tt_) into th
                  --training.local_batch_size 4); fsdp=0 ;;
     esac
     A+=(--training.steps "$steps")
+    read -r -a extra <<< "${EXTRA:-}"
+    A+=("${extra[@]}")
     if (( f8 )); then  # tensorwise is torchao's default recipe; recipe_name cannot go with the float8 all-gather
         A+=(--model.converters quantize.linear.float8 --quantize.linear.float8.filter_fqns output)
         (( fsdp )) && A+=(--quantize.linear.float8.enable_fsdp_float8_all_gather

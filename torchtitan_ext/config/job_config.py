@@ -136,6 +136,8 @@ class TrainingSection:
     spike_lr_scale: float = opt(0.5, "LR multiplier during the cut", min=0.0, max=1.0)
     deterministic: bool = opt(False, "bitwise-reproducible debugging runs: deterministic kernels, cuDNN without "
                               "autotuning, fixed cuBLAS workspace, all generators seeded (slower)")
+    gc_freq: int = opt(50, "Python's garbage collector runs every this many steps on every rank at once (its "
+                       "automatic collections off while training); 0 leaves them automatic", min=0)
 
 
 @dataclass

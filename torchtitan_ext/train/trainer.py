@@ -44,6 +44,7 @@ from torchtitan_ext.parallel.pp import build_schedule
 from torchtitan_ext.quant.float8 import precompute_float8_scales
 from torchtitan_ext.train.attention_features import AttentionFeatures, pipeline_mask_args
 from torchtitan_ext.train.build import BuiltModel, BuiltRun, build_run, forward_context, pp_microbatches
+from torchtitan_ext.train.gc_schedule import GarbageCollection
 from torchtitan_ext.train.initial import load_initial_weights
 from torchtitan_ext.train.losses import cross_entropy_loss, fused_head_loss
 from torchtitan_ext.train.lr_schedule import lr_multiplier
@@ -439,14 +440,16 @@ class Trainer:
     def train(self) -> None:
         """Train to ``training.steps``, then evaluate; the metrics files are closed and a pending async save
         finished (or abandoned) however it ends."""
+        collector = GarbageCollection(self.cfg.training.gc_freq)
         try:
-            self._train_loop()
+            self._train_loop(collector)
         finally:
+            collector.close()
             self.checkpointer.finish_or_abandon()
             self.metrics.close()
             self.profiling.finish()
 
-    def _train_loop(self) -> None:
+    def _train_loop(self, collector: GarbageCollection) -> None:
         """Steps are queued on the device and read back one step late (``settle``), so the host prepares
         step N+1 while the GPU runs step N; logging, evaluation, checkpoint and preemption steps, and the
         last one, are read back at once."""
@@ -461,6 +464,7 @@ class Trainer:
         while self.step < t.steps:
             self.step += 1
             self.profiling.step(self.step)
+            collector.step(self.step)
             log_now = self.step % cfg.metrics.log_freq == 0 or self.step == t.steps
             eval_now = cfg.eval.interval > 0 and self.step % cfg.eval.interval == 0  # whatever log_freq is
             # the first step of this start is said on the console whatever log_freq is: a new run is not silent
