@@ -77,6 +77,11 @@ ROWS = [
     Row("llama3_8b, PP 2 x FSDP 2, 1F1B, 8 micro-batches, bf16", "llama3_8b, 4 x H200", EIGHT_B_LAYOUT
         + " --parallelism.pp 2 --parallelism.dp_shard 2 --training.local_batch_size 8 --parallelism.pp_microbatches 8 "
         "--parallelism.pp_schedule 1F1B", 4, None, 9_327),
+    # "llama3_8b FSDP 4 with the garbage collector on a schedule", 2026-11-28 (later session), 4 x H200 (another call
+    # than the two rows above; FSDP 4 bf16 measured 9,500 in a third call)
+    Row("llama3_8b, FSDP 4, bf16, 4 x H200", "llama3_8b, 4 x H200", EIGHT_B, 4, 51.60, 9_633),
+    Row("llama3_8b, FSDP 4, float8 + float8 all-gather, 4 x H200", "llama3_8b, 4 x H200", EIGHT_B + F8_FSDP, 4,
+        51.60, 12_033),
     # "This session's four device calls", call 2 (bench_structure.sh), 2026-11-27, one H100
     Row("1b, 1 GPU (structure bench)", "1b, 1 x H100 (structure)", ONE_B, 1, 48.32),
     # "MoDE at the Zen-like shape on 4 GPUs" (issue 40), 2026-11-27, 4 x H100; speeds: see the docstring
