@@ -102,6 +102,13 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def experts_alone(self) -> bool:
+        """Each expert lives on one rank only (EP spans dp_shard; no replicas, no pipeline): its gradient needs
+        no data-parallel reduction, and FSDP leaves the experts out (``parallel/parallelize.py``). Under
+        pipelining they stay in a one-rank unit, which keeps their bf16 copy over the micro-batches."""
+        return self.ep > 1 and self.ep == self.dp_shard and self.dp_replicate == 1 and self.pp == 1
+
+    @property
     def fsdp_enabled(self) -> bool:
         return self.dp_mode == "fsdp" and (self.dp_shard > 1 or self.dp_replicate > 1)
 

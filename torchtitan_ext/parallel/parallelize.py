@@ -54,11 +54,8 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, cfg: JobConfig, on
         def dp_mesh(shard_dim: str):  # HSDP replicates over dp_replicate too
             return dims.submesh("dp_replicate", shard_dim) if hsdp else dims.submesh(shard_dim)
 
-        # Experts on one rank each (EP over all of dp_shard, no replicas) need no FSDP unit, except under PP,
-        # where FSDP keeps the bf16 copy of each weight over the micro-batches instead of casting it in each.
-        experts_alone = dims.ep > 1 and dims.ep == dims.dp_shard and dims.dp_replicate == 1 and dims.pp == 1
         apply_fsdp(model, dp_mesh("dp_shard") if dims.fsdp_enabled else None, param_dtype,
                    DTYPES[cfg.training.mixed_precision_reduce], reshard_after_forward=dims.pp == 1,
                    experts_mesh=dp_mesh("dp_shard_mod_ep") if dims.ep > 1 else None,  # the dp ranks left after EP
-                   experts_unmanaged=experts_alone,
+                   experts_unmanaged=dims.experts_alone,
                    moe_mesh=dp_mesh("dp_shard_tp") if moe_under_tp else None, tp=dims.tp)

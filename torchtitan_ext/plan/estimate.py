@@ -222,7 +222,8 @@ def _parameter_memory(p: Plan, job: _Job) -> None:
     p.memory["head gradient (at the backward peak)"] = F32 * head_grad / dims.tp / job.shard
     muon_part = (g["matrices"] + g["experts"]) * job.frac_layers / dims.tp / job.shard if muon else 0.0
     p.memory["optimizer state"] = F32 * (2 * (local - muon_part) + muon_part)  # AdamW 2 moments, Muon 1
-    unit = (g["matrices"] + g["routers"] + g["experts"] / dims.ep) / args.n_layers / dims.tp
+    experts_layer = g["experts"] / dims.ep / args.n_layers / dims.tp  # this rank's experts of one layer
+    unit = (g["matrices"] + g["routers"]) / args.n_layers / dims.tp + (0 if dims.experts_alone else experts_layer)
     end_unit = (max(g["embedding"], g["head"]) if job.ends else 0) / dims.tp
     red = F32 if t.mixed_precision_reduce == "float32" else 2
     if dims.fsdp_enabled and dims.pp > 1:
@@ -237,6 +238,11 @@ def _parameter_memory(p: Plan, job: _Job) -> None:
     else:
         # the gradients accumulate over the micro-batches in the parameters' fp32 .grad (torch's PipelineStage)
         p.grads_at_backward = dims.pp > 1
+    if dims.experts_alone:
+        # outside FSDP the grouped GEMMs save their bf16 weight casts for the backward: every layer's without
+        # activation checkpointing, one recomputed layer's with it (under EP MoDE blocks recompute in full)
+        held = 1 if job.cfg.activation_checkpoint.mode != "none" else job.layers
+        p.memory["expert bf16 weight casts (saved for the backward)"] = 2 * experts_layer * held
     if not dims.fsdp_enabled and t.mixed_precision_param == "bfloat16":
         # the embedding lookup is not autocast; float8 linears cast their fp32 weights to float8 instead
         cast = job.block - (g["matrices"] * job.frac_layers if job.cfg.float8.enabled else 0) + head_grad
