@@ -211,8 +211,6 @@ tt_args() {  # tt_args ROW: torchtitan's arguments for ROW (without tt_) into th
                  --training.local_batch_size 4); fsdp=0 ;;
     esac
     A+=(--training.steps "$steps")
-    read -r -a extra <<< "${EXTRA:-}"
-    A+=("${extra[@]}")
     if (( f8 )); then  # tensorwise is torchao's default recipe; recipe_name cannot go with the float8 all-gather
         A+=(--model.converters quantize.linear.float8 --quantize.linear.float8.filter_fqns output)
         (( fsdp )) && A+=(--quantize.linear.float8.enable_fsdp_float8_all_gather
