@@ -17,6 +17,9 @@
 #              backward an extra time", seen on CPU), tp2_pp2 (1F1B), tp4. 8b: all but tp4; 32b: fsdp4,
 #              fsdp2_tp2, tp4. torchtitan splits pipeline stages counting the embedding and the head as a layer
 #              each; ours splits the blocks evenly.
+#              plan: the planner's choice (ours only): `python -m torchtitan_ext.plan --search` on 4 GPUs of the
+#              machine's memory, at the model's global batch of 4 sequences, picks layout, schedule, AC and batch;
+#              the row trains with its overrides, and the table says whether it is the fastest row of the call.
 #
 # Usage, from the repository root on a 4-GPU machine (carry .whl: torchao for _f8, torchtitan's wheels for tt_):
 #   OUT_DIR=$OUT ROWS="8b_fsdp4 tt_8b_fsdp4 8b_fsdp4_f8 tt_8b_fsdp4_f8" benchmarks/bench_layouts.sh
@@ -58,6 +61,7 @@ ALL_ROWS=""
 for m in 8b 32b; do
     [ $m = 8b ] && layouts=$LAYOUTS_8B || layouts=$LAYOUTS_32B
     for l in $layouts; do for p in "" _f8; do ALL_ROWS+=" ${m}_$l$p tt_${m}_$l$p"; done; done
+    ALL_ROWS+=" ${m}_plan ${m}_plan_f8"
 done
 
 # Expected wall seconds of a row on 4 H100s (start-up, model build and compile, then the steps): 8b about 90 s
@@ -69,6 +73,7 @@ estimate() {
         8b_pp2_*) start=100; step=35; steps=$STEPS_PP ;;  # tenths of a second
         8b_tp2_pp2*) start=100; step=20; steps=$STEPS_PP ;;
         8b_hsdp2x2*) start=90; step=12 ;;
+        8b_plan*) start=95; step=9 ;;
         8b_*) start=90; step=9 ;;
         32b_tp4*) start=100; step=14 ;;
         32b_*) start=100; step=12 ;;
@@ -96,6 +101,9 @@ done
 
 source benchmarks/bench_env.sh
 SUMMARY=$OUT_DIR/summary.jsonl
+# the plan rows' memory budget: this machine's card (GiB), 80 on CPU
+DEVICE_GIB=$("$PY" -c "import torch; c = torch.cuda.is_available(); \
+print(int(torch.cuda.get_device_properties(0).total_memory / 2**30) if c else 80)" 2>/dev/null || echo 80)
 : > "$SUMMARY"
 T_START=$SECONDS
 runs=()
@@ -124,7 +132,7 @@ ours_args() {  # ours_args ROW: the trainer's arguments for ROW into the array A
     fi
     local steps=$STEPS
     case $layout in
-        fsdp4) A+=(--parallelism.dp_shard 4 --training.local_batch_size 1) ;;
+        fsdp4|plan) A+=(--parallelism.dp_shard 4 --training.local_batch_size 1) ;;
         hsdp2x2) A+=(--parallelism.dp_replicate 2 --parallelism.dp_shard 2 --training.local_batch_size 1
                      --activation_checkpoint.mode "$AC_HSDP") ;;
         fsdp2_tp2) A+=(--parallelism.dp_shard 2 --parallelism.tp 2 --training.local_batch_size 2) ;;
@@ -149,12 +157,21 @@ ours_args() {  # ours_args ROW: the trainer's arguments for ROW into the array A
         (( fsdp )) && A+=(--float8.enable_fsdp_float8_all_gather true
                           --float8.precompute_float8_dynamic_scale_for_fsdp true)
     fi
+    if [ "$layout" = plan ]; then  # the search's overrides of the chosen layout come last, so they win
+        "$PY" -m torchtitan_ext.plan --gpus "$NPROC" --device-memory "$DEVICE_GIB" --search "${A[@]}" \
+            > "$WORK/$1.plan.txt" 2>&1
+        local chosen
+        chosen=$(sed -n 's/^  its overrides: //p' "$WORK/$1.plan.txt")
+        read -r -a extra <<< "$chosen"
+        A+=("${extra[@]}")
+        [ -n "$chosen" ] || echo "plan row $1: the search chose nothing: $(tail -n 1 "$WORK/$1.plan.txt")"
+    fi
 }
 
 ours() {  # ours ROW LIMIT
     local row=$1 limit=$2 t0=$SECONDS
     ours_args "$row"
-    "$PY" -m torchtitan_ext.plan --gpus "$NPROC" "${A[@]}" > "$WORK/$row.plan.txt" 2>&1
+    [[ $row == *_plan* ]] || "$PY" -m torchtitan_ext.plan --gpus "$NPROC" "${A[@]}" > "$WORK/$row.plan.txt" 2>&1
     run_job "$row" "$limit" "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" \
         -m torchtitan_ext.train "${A[@]}"
     "$PY" benchmarks/layouts_report.py row "$row" "$WORK/$row" --plan "$WORK/$row.plan.txt" \

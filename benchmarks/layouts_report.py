@@ -8,7 +8,8 @@
         the table: tokens/s per GPU, MFU, peak memory (ours: max allocated and reserved on rank 0, and max
         allocated over all ranks; torchtitan logs max reserved on rank 0), the planner's peak and its ratio to
         the measured one (the largest over the ranks where logged), ours / torchtitan for
-        rows measured by both, and each model's layouts ranked by measured (and, where printed, planned) speed.
+        rows measured by both, and each model's layouts ranked by measured (and, where printed, planned) speed;
+        for a plan row (the planner's --search choice), whether it is the fastest of its model's rows.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ PLAN_PEAK = re.compile(r"^\s*peak \(x[\d.]+ allocator slack\)\s+([\d.]+) ([KMG])
 UNIT = {"K": 2**-20, "M": 2**-10, "G": 1}
 PLAN_STEP = re.compile(r"step time[^\d\n]*([\d.]+)\s*(ms|s)\b", re.I)
 PLAN_TPS = re.compile(r"([\d,]+(?:\.\d+)?)\s*tokens/s(?: per (?:GPU|device|rank))?", re.I)
+# --search's pick: "chosen: FSDP 4, AC none: 67.6 GiB per GPU, step 1.12 s, 7,317 tokens/s per GPU"
+PLAN_CHOSEN = re.compile(r"^chosen: (.+): ([\d.]+) GiB per GPU, step ([\d.]+) (ms|s), ([\d,]+) tokens/s per GPU",
+                         re.M)
 
 
 def parse_row(row: str) -> dict:
@@ -37,6 +41,10 @@ def parse_row(row: str) -> dict:
 
 
 def parse_plan(text: str) -> dict:
+    if m := PLAN_CHOSEN.search(text):
+        return {"plan_choice": m[1], "plan_peak_gib": float(m[2]),
+                "plan_step_s": float(m[3]) / (1000 if m[4] == "ms" else 1),
+                "plan_tokens_per_sec": float(m[5].replace(",", ""))}
     out = {}
     if m := PLAN_PEAK.search(text):
         out["plan_peak_gib"] = round(float(m[1]) * UNIT[m[2]], 4)
@@ -97,7 +105,22 @@ def table(rows: list[dict]) -> str:
                  _fmt(r.get("plan_peak_gib"), ".2f"), _fmt(r.get("plan_over_measured"), ".3f"),
                  _fmt(ratio, ".3f"), _fmt(ranks.get(r["row"])), _fmt(plan_ranks.get(r["row"])))
         lines.append(f"{r['row']:<28}  " + "  ".join(f"{c:>12}" for c in cells))
+    lines += [_choice_line(r, rows) for r in rows if r.get("plan_choice")]
     return "\n".join(lines)
+
+
+def _choice_line(choice: dict, rows: list[dict]) -> str:
+    """Issue 42, deliverable 3: the planner's choice against the fastest of our rows of its model and precision
+    measured in the same call."""
+    head = f"planner's choice for {choice['model']} {choice['precision']}: {choice['plan_choice']}"
+    rivals = [r for r in rows if r.get("trainer") == "ours" and r.get("tokens_per_sec_per_device")
+              and (r["model"], r["precision"]) == (choice["model"], choice["precision"])]
+    if not choice.get("tokens_per_sec_per_device"):
+        return f"{head}: not measured"
+    best = max(rivals, key=lambda r: r["tokens_per_sec_per_device"])
+    share = choice["tokens_per_sec_per_device"] / best["tokens_per_sec_per_device"]
+    verdict = "the fastest row" if best is choice else f"{share:.3f}x the fastest row, {best['row']}"
+    return f"{head}: {choice['tokens_per_sec_per_device']:,.0f} tokens/s per GPU, {verdict} (of {len(rivals)})"
 
 
 if __name__ == "__main__":
