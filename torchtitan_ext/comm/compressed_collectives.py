@@ -5,27 +5,30 @@ reduction in float32 after decoding, so no low-precision arithmetic happens on t
 
 * DDP (:func:`register_squinch_ddp_hook`): a bucket's gradients are encoded and split into one chunk per
   rank; an all-to-all hands each rank the chunks it owns, which it decodes, sums and averages, re-encodes
-  and all-gathers; everyone decodes the gathered bytes.
+  and all-gathers; everyone decodes the gathered bytes. Between two ranks one all-gather of the whole
+  encoded bucket does the same with the same bytes on the link (``_compressed_all_reduce``).
 * FSDP2 (:func:`apply_squinch_fsdp`): each rank encodes its whole unsharded gradient, an all-to-all sends
   every destination only the compressed chunk of its shard, and the destination decodes and sums the
   chunks in float32, then divides as FSDP's reduce op asks.
 * HSDP's replicate dimension (:func:`install_squinch_replicate_hooks`): the model is sharded over
   ``dp_shard`` alone (native HSDP's all-reduce cannot be replaced, only followed: torch 2.11-2.13), and an
   FSDP2 all-reduce hook per module averages its reduce-scattered shard over ``dp_replicate`` in Squinch bytes
-  (the DDP hook's all-to-all + all-gather), started as soon as that module's reduce-scatter is done, on
-  FSDP's all-reduce stream, so it overlaps with the rest of the backward pass. The intra-node reduce-scatter
-  stays FSDP's own unless :func:`apply_squinch_fsdp` is applied too. :class:`SquinchReplicateAllReduce` does
-  the same average after the backward pass (the earlier, non-overlapped order, kept for comparison).
+  (the DDP hook's all-reduce: one all-gather between two nodes), started as soon as that module's
+  reduce-scatter is done, on FSDP's all-reduce stream, so it overlaps with the rest of the backward pass. The
+  intra-node reduce-scatter stays FSDP's own unless :func:`apply_squinch_fsdp` is applied too.
+  :class:`SquinchReplicateAllReduce` does the same average after the backward pass (the earlier,
+  non-overlapped order, kept for comparison).
 * The trainer's wiring (which of these a ``[comm]`` section installs, checkpointed residuals) lives in
   ``torchtitan_ext.parallel.compression``; this package holds the collectives only.
 
 Error feedback (optional): the residual ``input - decode(encode(input))`` of a rank's own encoding is kept in
 float32 and added to the next step's gradient before encoding, so compression error does not accumulate as a
-bias over steps. The all-reduces encode twice (each rank's rows, then the owner's average before the
-all-gather); the overlapped HSDP hooks keep a residual for each encoding: the owner's is added to its next average
-of the same chunk (double error feedback, as in DoubleSqueeze), which bounds the summed error of the gathered
-averages over any number of steps by one step's instead of letting it grow like a random walk. The DDP hook
-keeps the rows' residual only (``_AllReduceState`` says why). A non-finite residual entry is reset to zero:
+bias over steps. Over more than two ranks the all-reduces encode twice (each rank's rows, then the owner's
+average before the all-gather); the overlapped HSDP hooks keep a residual for each encoding: the owner's is added
+to its next average of the same chunk (double error feedback, as in DoubleSqueeze), which bounds the summed error
+of the gathered averages over any number of steps by one step's instead of letting it grow like a random walk.
+The DDP hook keeps the rows' residual only (``_AllReduceState`` says why). Between two ranks there is one
+encoding, and its residual alone bounds the summed error. A non-finite residual entry is reset to zero:
 the step that produced it is skipped by the trainer's guard and must not poison later steps. The residuals are
 rank-local; the checkpoint saves each rank's own
 (``parallel.compression.GradientCompression.residual_state``).
@@ -191,9 +194,17 @@ def _compressed_all_reduce(flat: torch.Tensor, group: dist.ProcessGroup, stats: 
 
     Every rank owns one chunk of whole blocks: an all-to-all hands it everyone's encoded copy of that chunk,
     which it decodes, sums in float32 and divides by the world size, re-encodes and all-gathers; every rank
-    decodes the same gathered bytes, so all end with bit-identical averages."""
+    decodes the same gathered bytes, so all end with bit-identical averages.
+
+    Two ranks (the replicas of a two-node job) take one all-gather of the whole encoded input instead: it puts
+    the same bytes on the link as the all-to-all and the all-gather together (each rank sends its peer its
+    values once), in one ring collective rather than two exchanges with a decode-sum-encode between them,
+    and the average is encoded once, not twice. Every rank sums the same decoded rows in rank order, so the
+    averages are still bit-identical. There is no owner's encoding, so ``owner_residual`` comes back ``None``."""
     world = group.size()
     n = flat.numel()
+    if world == 2:
+        return (*_gathered_all_reduce(flat, group, stats, dtype, residual), None)
     chunk = owned_chunk(n, world)
     rows = torch.nn.functional.pad(flat, (0, world * chunk - n)).view(world, chunk)
     if residual is not None:
@@ -207,11 +218,29 @@ def _compressed_all_reduce(flat: torch.Tensor, group: dist.ProcessGroup, stats: 
         owner_residual = _finite(average - _decode_rows(owned_encoded, chunk).view(-1))
     gathered = torch.empty((world, owned_encoded.shape[1]), dtype=torch.uint8, device=flat.device)
     stats.add(owned_encoded, chunk, dtype)
-    # ``all_gather_single`` replaces the deprecated ``all_gather_into_tensor`` from torch 2.13 on.
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    all_gather(gathered, owned_encoded, group=group)
+    _all_gather(gathered, owned_encoded, group)
     result = _decode_rows(gathered, chunk).reshape(-1)[:n]
     return result, None if residual is None else residual.reshape(-1)[:n], owner_residual
+
+
+def _gathered_all_reduce(flat: torch.Tensor, group: dist.ProcessGroup, stats: CommStats, dtype: torch.dtype,
+                         residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`_compressed_all_reduce` as one all-gather of every rank's whole encoded input (see there)."""
+    world, n = group.size(), flat.numel()
+    if residual is not None:
+        flat = flat + residual
+    encoded = _encode_rows(flat.view(1, n))
+    if residual is not None:  # this step's compression error, non-finite entries reset to zero
+        residual = _finite(flat - _decode_rows(encoded, n).view(-1))
+    gathered = torch.empty((world, encoded.shape[1]), dtype=torch.uint8, device=flat.device)
+    stats.add(encoded, _round_up(n, BLOCK), dtype)
+    _all_gather(gathered, encoded, group)
+    return _decode_rows(gathered, n).sum(dim=0) / world, residual
+
+
+def _all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
+    # ``all_gather_single`` replaces the deprecated ``all_gather_into_tensor`` from torch 2.13 on.
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(output, input, group=group)
 
 
 def _average(grads: list[tuple[torch.Tensor, torch.Tensor]], state: _AllReduceState) -> list[torch.Tensor]:
@@ -313,7 +342,8 @@ class SquinchReplicateHook:
         residual = owner_residual = None
         if self.error_feedback:
             residual = _kept(self.residual, flat)
-            owner_residual = _kept(self.owner_residual, flat.new_empty(owned_chunk(flat.numel(), world)))
+            if world > 2:  # two replicas encode once (_compressed_all_reduce): no owner's residual
+                owner_residual = _kept(self.owner_residual, flat.new_empty(owned_chunk(flat.numel(), world)))
         averaged, self.residual, self.owner_residual = _compressed_all_reduce(
             flat, self.group, self.stats, reduce_output.dtype, residual, owner_residual)
         reduce_output.copy_(averaged.view_as(reduce_output))
