@@ -16,7 +16,9 @@
 #              the weight gradients as a second backward pass, which op-level selective AC refuses, "Trying to
 #              backward an extra time", seen on CPU), tp2_pp2 (1F1B), tp4. 8b: all but tp4; 32b: fsdp4,
 #              fsdp2_tp2, tp4. torchtitan splits pipeline stages counting the embedding and the head as a layer
-#              each; ours splits the blocks evenly.
+#              each; ours splits the blocks evenly. torchtitan 0.2.0 trains tp4 and tp2_pp2 (no FSDP) in float32:
+#              its mixed precision goes through FSDP ("Mixed precision training is disabled" in its log), so
+#              those rows get no ours / torchtitan ratio.
 #              plan: the planner's choice (ours only): `python -m torchtitan_ext.plan --search` on 4 GPUs of the
 #              machine's memory, at the model's global batch of 4 sequences, picks layout, schedule, AC and batch;
 #              the row trains with its overrides, and the table says whether it is the fastest row of the call.

@@ -35,6 +35,10 @@ EIGHT_B_LAYOUT = ("--data.tokenizer byte --model.flavor llama3_8b --training.seq
 EIGHT_B = EIGHT_B_LAYOUT + " --parallelism.dp_shard 4 --training.local_batch_size 1"
 F8_FSDP = (" --float8.enabled true --float8.recipe tensorwise --float8.enable_fsdp_float8_all_gather true "
            "--float8.precompute_float8_dynamic_scale_for_fsdp true")
+# bench_layouts.sh's 32b rows: the 32b flavor's shape with 16 layers, no QK-norm, otherwise as the 8b rows
+THIRTY_TWO_B = ("--data.tokenizer byte --model.flavor 32b --model.n_layers 16 --model.qk_norm false "
+                "--training.seq_len 8192 --training.compile true --activation_checkpoint.mode selective "
+                "--activation_checkpoint.selective_every 0")
 # bench_mode_scale.sh: mode_debug at d 2048, 8 layers of 64 experts (hidden 1408) top-2, seq 2048, 8 per GPU
 MODE = ("--config train_configs/mode_debug.toml --data.tokenizer byte --training.compile true --model.dim 2048 "
         "--model.n_heads 16 --model.n_kv_heads 8 --model.n_layers 8 --model.n_experts 64 --model.top_k 2 "
@@ -86,6 +90,28 @@ ROWS = [
     Row("llama3_8b, FSDP 4, bf16, 4 x H200", "llama3_8b, 4 x H200", EIGHT_B, 4, 51.60, 9_633),
     Row("llama3_8b, FSDP 4, float8 + float8 all-gather, 4 x H200", "llama3_8b, 4 x H200", EIGHT_B + F8_FSDP, 4,
         51.60, 12_033),
+    # "Layouts against torchtitan 0.2.0: HSDP, async TP, the 32b shape; the planner's choice", 2026-11-28 (third
+    # session), 4 x H200: four calls (HSDP and async TP in one, the 32b rows in the next, the planner's choice,
+    # FSDP 4 with AC none, in a third); peaks the largest over the ranks (equal to rank 0's in each)
+    Row("llama3_8b, HSDP 2 x 2, op-level SAC, bf16", "llama3_8b, 4 x H200", EIGHT_B_LAYOUT
+        + " --parallelism.dp_replicate 2 --parallelism.dp_shard 2 --training.local_batch_size 1", 4, 74.03, 9_281),
+    Row("llama3_8b, FSDP 2 x TP 2, async TP, bf16", "llama3_8b, 4 x H200", EIGHT_B_LAYOUT
+        + " --parallelism.dp_shard 2 --parallelism.tp 2 --training.local_batch_size 2 --parallelism.async_tp true",
+        4, 68.49, 8_422),
+    # The planner's choice against FSDP 4 with op-level SAC, two calls on one held machine: ordered among themselves
+    # (float8 with SAC measured 3.9% ahead of float8 without AC here, 6.6% at 12,033 in another call: not asserted)
+    Row("llama3_8b, FSDP 4, AC none, bf16", "llama3_8b, 4 x H200, one lease", EIGHT_B
+        + " --activation_checkpoint.mode none", 4, 62.60, 9_562),
+    Row("llama3_8b, FSDP 4, AC none, float8 + float8 all-gather", "llama3_8b, 4 x H200, one lease",
+        EIGHT_B + F8_FSDP + " --activation_checkpoint.mode none", 4, 56.85, 11_293),
+    Row("llama3_8b, FSDP 4, op-level SAC, bf16 (one lease)", "llama3_8b, 4 x H200, one lease", EIGHT_B, 4, 51.60,
+        9_517),
+    Row("llama3_8b, FSDP 4, op-level SAC, float8 + float8 all-gather (one lease)", "llama3_8b, 4 x H200, one lease",
+        EIGHT_B + F8_FSDP, 4, 51.60, 11_730),
+    Row("32b shape 16 layers, FSDP 2 x TP 2", "32b 16 layers, 4 x H200", THIRTY_TWO_B
+        + " --parallelism.dp_shard 2 --parallelism.tp 2 --training.local_batch_size 2", 4, 69.25, 7_717),
+    Row("32b shape 16 layers, TP 4", "32b 16 layers, 4 x H200", THIRTY_TWO_B
+        + " --parallelism.tp 4 --parallelism.dp_shard 1 --training.local_batch_size 4", 4, 77.01, 6_602),
     # "MoDE at mode_235b's shape on 4 GPUs: the first row" and "Expert parallelism without one-rank FSDP units ...
     # mode_235b PP 2 x EP 2", 2026-11-28, 4 x H200 (two calls); peaks the largest over the ranks. The EP 4 row was
     # measured while its experts were still a one-rank FSDP unit; the planner models them outside FSDP now: one
