@@ -32,7 +32,8 @@
 # env: ROWS (required on GPUs), STEPS (30; PP rows STEPS_PP, 20), LAYERS_32B (16), AC_HSDP (full), AC_ZBV (full),
 #      DEADLINE (560: seconds for the whole script; a row starts only if its expected time fits what is left and
 #      is cut at the deadline, so the call returns its results), OUT_DIR (summary.jsonl, table.txt, logs.tar.gz
-#      with every run's log and planner output), WORK (/tmp/bench_layouts: run folders), PY (python3), EXTRA
+#      with every run's log and planner output), WORK (/tmp/bench_layouts: run folders), PY (python3), DEVICE_GIB
+#      (the plan rows' memory per GPU; default: the card's), EXTRA
 #      (trainer overrides added to every row of ours, e.g. EXTRA="--training.gc_freq 0")
 # Metrics: the median over the windows ending after step 10 (benchmarks/scale_report.py, logged every 5 steps);
 # memory is rank 0's (ours: max allocated and reserved; torchtitan logs max reserved).
@@ -104,8 +105,8 @@ done
 source benchmarks/bench_env.sh
 SUMMARY=$OUT_DIR/summary.jsonl
 # the plan rows' memory budget: this machine's card (GiB), 80 on CPU
-DEVICE_GIB=$("$PY" -c "import torch; c = torch.cuda.is_available(); \
-print(int(torch.cuda.get_device_properties(0).total_memory / 2**30) if c else 80)" 2>/dev/null || echo 80)
+DEVICE_GIB=${DEVICE_GIB:-$("$PY" -c "import torch; c = torch.cuda.is_available(); \
+print(int(torch.cuda.get_device_properties(0).total_memory / 2**30) if c else 80)" 2>/dev/null || echo 80)}
 : > "$SUMMARY"
 T_START=$SECONDS
 runs=()
@@ -164,15 +165,19 @@ ours_args() {  # ours_args ROW: the trainer's arguments for ROW into the array A
             > "$WORK/$1.plan.txt" 2>&1
         local chosen
         chosen=$(sed -n 's/^  its overrides: //p' "$WORK/$1.plan.txt")
+        [ -n "$chosen" ] || return 1
         read -r -a extra <<< "$chosen"
         A+=("${extra[@]}")
-        [ -n "$chosen" ] || echo "plan row $1: the search chose nothing: $(tail -n 1 "$WORK/$1.plan.txt")"
     fi
 }
 
 ours() {  # ours ROW LIMIT
     local row=$1 limit=$2 t0=$SECONDS
-    ours_args "$row"
+    if ! ours_args "$row"; then
+        local why; why=$(tail -n 1 "$WORK/$row.plan.txt" | tr -d '"\\')
+        echo "{\"row\": \"$row\", \"error\": \"the planner's search chose no layout: $why\"}" | tee -a "$SUMMARY"
+        return 0
+    fi
     [[ $row == *_plan* ]] || "$PY" -m torchtitan_ext.plan --gpus "$NPROC" "${A[@]}" > "$WORK/$row.plan.txt" 2>&1
     run_job "$row" "$limit" "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" \
         -m torchtitan_ext.train "${A[@]}"
