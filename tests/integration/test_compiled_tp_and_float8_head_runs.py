@@ -15,10 +15,12 @@ SMALL = ["--model.dim", "64", "--model.n_layers", "2", "--training.steps", "4"]
 
 
 @pytest.mark.slow
-def test_compiled_tp2_matches_eager_one_process(tmp_path):
+@pytest.mark.parametrize("ac", ["none", "selective"])
+def test_compiled_tp2_matches_eager_one_process(tmp_path, ac):
+    """Also under op-level selective AC, whose policy keeps TP's reduce-scatter outputs."""
     run_trainer(tmp_path / "one", 0, *SMALL)
     proc = run_trainer(tmp_path / "tp2", 2, *SMALL, "--parallelism.tp", "2", "--parallelism.dp_shard", "1",
-                       "--training.compile", "true")
+                       "--training.compile", "true", "--activation_checkpoint.mode", ac)
     assert "compile: under TP the embedding's reduce-scatter completes before the first compiled block" \
         in proc.stdout
     ref, got = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "tp2")

@@ -325,11 +325,18 @@ def float8_input_saving(args: ModelArgs, layer: int, tp: int) -> float:
 def selective_activations(args: ModelArgs, layer: int, act: int, tp: int, compiled: bool = False) -> float:
     """Op-level selective AC per token: outputs of the matmuls and of attention (+ LSE), and the block input.
     Eager, torch's selective checkpointing caches every MUST_SAVE op's output during the forward, the FFN's
-    output projection (w2) too; in a compiled block the policy's tags only steer inductor's partitioner,
-    which saves what the backward reads: w2's output feeds the residual add alone, so it is not kept."""
+    output projection (w2) and TP's two reduce-scatters too; in a compiled block the policy's tags only steer
+    inductor's partitioner, which saves what the backward reads: w2's output feeds the residual add alone, so
+    it is not kept, and under TP attention's output is kept as its reduce-scattered slice, not as wo's full
+    partial sums (one compiled TP 2 block on CPU: saved bytes equal to this)."""
     hd, hq, hk = args.hdim, args.n_heads // tp, args.kv_heads // tp
     kv = 2 * hk * hd if args.computes_kv(layer) else 0
-    out = act * args.dim / tp + act * (hq * hd + kv) + act * hq * hd + F32 * hq + act * args.dim
+    scattered = act * args.dim / tp  # a TP reduce-scatter's output (the policy keeps it)
+    if compiled:
+        attention_out = scattered if tp > 1 else act * args.dim
+    else:
+        attention_out = act * args.dim + (2 * scattered if tp > 1 else 0.0)
+    out = act * args.dim / tp + act * (hq * hd + kv) + act * hq * hd + F32 * hq + attention_out
     if args.is_moe(layer):
         out += args.top_k * act * (3 * args.expert_hidden + args.dim) + F32 * args.n_experts
     else:

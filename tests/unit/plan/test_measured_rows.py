@@ -10,6 +10,9 @@ Left out of the speed order (none of the peaks is): the MoDE EP 2 row. Measured 
 the expert load imbalance (the most loaded expert got 5-7x the mean routed tokens; every EP rank waits for the
 hot one) nor the host read of the all-to-all split sizes, which set the EP 2 step (RESULTS.md, issue 40
 profile). EP 4 against EP 1 is ordered: measured in one call on the current code.
+Every TP row was measured before op-level selective AC kept TP's reduce-scatter outputs (2026-11-28, third session);
+the planner models the policy since then, which in a compiled block saves attention's reduce-scattered output
+instead of wo's full partial sums, (1 - 1 / tp) of a d_model activation less per layer and token.
 The 1b FSDP 2 x TP 2 and PP 2 x FSDP 2 rows' batch per rank is not written down in RESULTS.md or the bench
 scripts: the rows use 16 sequences per data-parallel rank (8 pipeline micro-batches of 2 under PP), the shape
 the issue-42 planner commit (2768845) planned for its 9.1 GiB.

@@ -76,7 +76,6 @@ def _tp_saved_bytes(rank: int, world: int, qk_norm: bool | tuple) -> int | list[
     if isinstance(qk_norm, tuple):  # several models in one set of processes
         return [_tp_saved_bytes(rank, world, q) for q in qk_norm]
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
 
     from torchtitan_ext.parallel.tp import apply_tp
@@ -90,6 +89,19 @@ def _tp_saved_bytes(rank: int, world: int, qk_norm: bool | tuple) -> int | list[
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.02)
 
+    tokens = torch.randint(0, args.vocab_size, (4, 64), generator=torch.Generator().manual_seed(0))
+
+    def forward() -> None:
+        with loss_parallel():
+            cross_entropy_loss(model(tokens), tokens)
+    return _local_saved_bytes(model, forward)
+
+
+def _local_saved_bytes(model: torch.nn.Module, forward) -> int:
+    """Distinct storages autograd saves while ``forward()`` runs, DTensors by their local shard, parameters
+    excluded."""
+    from torch.distributed.tensor import DTensor
+
     def local(t: torch.Tensor) -> torch.Tensor:
         return t._local_tensor if isinstance(t, DTensor) else t
 
@@ -102,9 +114,8 @@ def _tp_saved_bytes(rank: int, world: int, qk_norm: bool | tuple) -> int | list[
             seen[storage.data_ptr()] = storage.nbytes()
         return t
 
-    tokens = torch.randint(0, args.vocab_size, (4, 64), generator=torch.Generator().manual_seed(0))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), loss_parallel():
-        cross_entropy_loss(model(tokens), tokens)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
     return sum(seen.values())
 
 
@@ -223,3 +234,48 @@ def test_compiled_block_activations_match_inductor_saved_tensors(overrides):
         compiled(x, (cos[None], sin[None]))
     planned = sum(block_activations(args, 0, 2, norm="fused", compiled=True).values()) * 4 * 128
     assert planned == pytest.approx(sum(seen.values()), rel=0.01)
+
+
+def _compiled_tp_sac_block_bytes(rank: int, world: int) -> int:
+    """Saved bytes of one compiled TP block under op-level selective AC on this rank: the model with 2 blocks
+    minus the one with 1 (the embedding's and the head's shares cancel)."""
+    return _compiled_tp_sac_saved_bytes(2, world) - _compiled_tp_sac_saved_bytes(1, world)
+
+
+def _compiled_tp_sac_saved_bytes(layers: int, world: int) -> int:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torchtitan_ext.parallel.activation_checkpoint import apply_activation_checkpointing
+    from torchtitan_ext.parallel.compile import apply_compile
+    from torchtitan_ext.parallel.tp import apply_tp
+
+    torch._dynamo.reset()
+    args = dataclasses.replace(get_flavor("debug"), vocab_size=384, max_seq_len=64, n_layers=layers)
+    with torch.device("meta"):
+        model = Decoder(args)
+    apply_tp(model, init_device_mesh("cpu", (world,)), False)
+    apply_activation_checkpointing(model, "selective", 0)
+    apply_compile(model, experts_in_graph=False, tensor_parallel=True, compile_head=False)
+    model.to_empty(device="cpu")
+    model.init_buffers(torch.device("cpu"))
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    tokens = torch.randint(0, args.vocab_size, (4, 64), generator=torch.Generator().manual_seed(0))
+    model(tokens).float().square().mean().backward()  # compile outside the hooks
+    return _local_saved_bytes(model, lambda: model(tokens))
+
+
+@pytest.mark.slow
+def test_compiled_tp_selective_block_keeps_the_reduce_scattered_output():
+    """TP 2 (sequence parallel), op-level selective AC, a compiled block (CPU inductor, 2 gloo processes): the
+    saved bytes equal the planner's. The policy keeps TP's reduce-scatter outputs, so the partitioner keeps
+    attention's reduce-scattered slice instead of wo's and w2's full partial sums, which it needed to redo the
+    reduce-scatter in the backward (1.5 d_model activations per token more at TP 2, and one collective more)."""
+    from dist_utils import run_distributed
+
+    from torchtitan_ext.plan.estimate import selective_activations
+
+    per_rank = run_distributed(_compiled_tp_sac_block_bytes, 2)
+    args = dataclasses.replace(get_flavor("debug"), vocab_size=384, max_seq_len=64, n_layers=2)
+    planned = selective_activations(args, 1, 4, 2, compiled=True) * 4 * 64
+    assert per_rank == [planned, planned], (per_rank, planned)
