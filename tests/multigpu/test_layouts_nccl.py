@@ -1,7 +1,7 @@
 """Every layout on real GPUs (NCCL), against one GPU: FSDP, HSDP, TP, PP with each schedule, TP x PP,
-FSDP x TP (x PP), compiled (the zero-bubble schedules eager), float32, 20 steps; float8 with float8
-all-gather; a DCP checkpoint saved at 4 GPUs resumed at 2 and 1; one rank killed, torchrun restarts the job,
-which resumes with the same losses.
+FSDP x TP (x PP), FSDP x TP with op-level selective AC, compiled (the zero-bubble schedules eager), float32,
+20 steps; float8 with float8 all-gather; a DCP checkpoint saved at 4 GPUs resumed at 2 and 1; one rank killed,
+torchrun restarts the job, which resumes with the same losses.
 
 All the module's jobs start together in one pool (nccl_utils.JobPool: several small jobs share each GPU),
 only those the selected tests need; the tests then compare what the jobs logged. Expected: three to four
@@ -59,6 +59,8 @@ LAYOUTS = {
     "fsdp2_pp2": _layout(4, dp_shard=2, pp=2, microbatches=4),
     "tp2_pp2": _layout(4, tp=2, pp=2, microbatches=4),
     "fsdp2_tp2_pp2": _layout(8, dp_shard=2, tp=2, pp=2, microbatches=2),
+    # op-level selective AC under TP: its policy keeps the reduce-scatters' outputs (parallel/activation_checkpoint.py)
+    "fsdp2_tp2_selective_ac": (4, [*_layout(4, dp_shard=2, tp=2)[1], "--activation_checkpoint.mode", "selective"]),
 }
 
 # The zero-bubble schedules refuse compiled blocks (parallel.pp.check_schedule): they run eager against the
