@@ -179,6 +179,12 @@ def _bucket_slices(bucket: dist.GradBucket) -> list[tuple[torch.Tensor, int, int
     return slices
 
 
+def _encodes_owned_average(world: int) -> bool:
+    """Whether a compressed all-reduce over ``world`` ranks re-encodes each owner's average (an all-to-all then an
+    all-gather, with an owner's residual under error feedback); two ranks encode once and all-gather."""
+    return world > 2
+
+
 def owned_chunk(numel: int, world: int) -> int:
     """Values per rank's chunk in a compressed all-reduce of ``numel`` values: whole blocks, so every rank
     owns complete blocks."""
@@ -203,7 +209,7 @@ def _compressed_all_reduce(flat: torch.Tensor, group: dist.ProcessGroup, stats: 
     averages are still bit-identical. There is no owner's encoding, so ``owner_residual`` comes back ``None``."""
     world = group.size()
     n = flat.numel()
-    if world == 2:
+    if not _encodes_owned_average(world):
         return (*_gathered_all_reduce(flat, group, stats, dtype, residual), None)
     chunk = owned_chunk(n, world)
     rows = torch.nn.functional.pad(flat, (0, world * chunk - n)).view(world, chunk)
@@ -342,7 +348,7 @@ class SquinchReplicateHook:
         residual = owner_residual = None
         if self.error_feedback:
             residual = _kept(self.residual, flat)
-            if world > 2:  # two replicas encode once (_compressed_all_reduce): no owner's residual
+            if _encodes_owned_average(world):
                 owner_residual = _kept(self.owner_residual, flat.new_empty(owned_chunk(flat.numel(), world)))
         averaged, self.residual, self.owner_residual = _compressed_all_reduce(
             flat, self.group, self.stats, reduce_output.dtype, residual, owner_residual)
