@@ -160,28 +160,30 @@ ours_args() {  # ours_args ROW: the trainer's arguments for ROW into the array A
         (( fsdp )) && A+=(--float8.enable_fsdp_float8_all_gather true
                           --float8.precompute_float8_dynamic_scale_for_fsdp true)
     fi
-    if [ "$layout" = plan ]; then  # the search's overrides of the chosen layout come last, so they win
-        "$PY" -m torchtitan_ext.plan --gpus "$NPROC" --device-memory "$DEVICE_GIB" --search "${A[@]}" \
-            > "$WORK/$1.plan.txt" 2>&1
-        local chosen
-        chosen=$(sed -n 's/^  its overrides: //p' "$WORK/$1.plan.txt")
-        [ -n "$chosen" ] || return 1
-        read -r -a extra <<< "$chosen"
-        A+=("${extra[@]}")
-    fi
 }
 
-ours() {  # ours ROW LIMIT
+# ours ROW LIMIT: the planner on the row's arguments (plan rows: its search, whose chosen layout's overrides come
+# last, so they win), then the trainer
+ours() {
     local row=$1 limit=$2 t0=$SECONDS
-    if ! ours_args "$row"; then
-        local why; why=$(tail -n 1 "$WORK/$row.plan.txt" | tr -d '"\\')
-        echo "{\"row\": \"$row\", \"error\": \"the planner's search chose no layout: $why\"}" | tee -a "$SUMMARY"
-        return 0
+    local plan="$WORK/$row.plan.txt"
+    ours_args "$row"
+    if [[ $row == *_plan* ]]; then
+        "$PY" -m torchtitan_ext.plan --gpus "$NPROC" --device-memory "$DEVICE_GIB" --search "${A[@]}" > "$plan" 2>&1
+        local chosen; chosen=$(sed -n 's/^  its overrides: //p' "$plan")
+        if [ -z "$chosen" ]; then
+            local why; why=$(tail -n 1 "$plan" | tr -d '"\\')
+            echo "{\"row\": \"$row\", \"error\": \"the planner's search chose no layout: $why\"}" | tee -a "$SUMMARY"
+            return 0
+        fi
+        read -r -a extra <<< "$chosen"
+        A+=("${extra[@]}")
+    else
+        "$PY" -m torchtitan_ext.plan --gpus "$NPROC" "${A[@]}" > "$plan" 2>&1
     fi
-    [[ $row == *_plan* ]] || "$PY" -m torchtitan_ext.plan --gpus "$NPROC" "${A[@]}" > "$WORK/$row.plan.txt" 2>&1
     run_job "$row" "$limit" "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" \
         -m torchtitan_ext.train "${A[@]}"
-    "$PY" benchmarks/layouts_report.py row "$row" "$WORK/$row" --plan "$WORK/$row.plan.txt" \
+    "$PY" benchmarks/layouts_report.py row "$row" "$WORK/$row" --plan "$plan" \
         --wall $((SECONDS - t0)) | tee -a "$SUMMARY"
 }
 
