@@ -14,7 +14,8 @@
 #              fsdp2_tp2_async (async TP), pp2_fsdp2_1f1b, pp2_fsdp2_i1f1b (Interleaved1F1B), pp2_fsdp2_zbv
 #              (ZBVZeroBubble; both 2 stages per rank; full AC in both trainers, AC_ZBV: a zero-bubble schedule runs
 #              the weight gradients as a second backward pass, which op-level selective AC refuses, "Trying to
-#              backward an extra time", seen on CPU), tp2_pp2 (1F1B), tp4. 8b: all but tp4; 32b: fsdp4,
+#              backward an extra time", seen on CPU; eager in both trainers: neither runs a zero-bubble schedule
+#              over compiled blocks, ours says so in one line, torchtitan raises), tp2_pp2 (1F1B), tp4. 8b: all but tp4; 32b: fsdp4,
 #              fsdp2_tp2, tp4. torchtitan splits pipeline stages counting the embedding and the head as a layer
 #              each; ours splits the blocks evenly. torchtitan 0.2.0 trains tp4 and tp2_pp2 (no FSDP) in float32:
 #              its mixed precision goes through FSDP ("Mixed precision training is disabled" in its log), so
@@ -147,7 +148,7 @@ ours_args() {  # ours_args ROW: the trainer's arguments for ROW into the array A
             A+=(--parallelism.pp 2 --parallelism.dp_shard 2 --training.local_batch_size 8
                 --parallelism.pp_microbatches 8 --parallelism.pp_schedule "$sched"
                 --parallelism.pp_virtual_stages "$virtual"); steps=$STEPS_PP
-            [ "$sched" = ZBVZeroBubble ] && A+=(--activation_checkpoint.mode "$AC_ZBV") ;;
+            [ "$sched" = ZBVZeroBubble ] && A+=(--activation_checkpoint.mode "$AC_ZBV" --training.compile false) ;;
         tp2_pp2) A+=(--parallelism.tp 2 --parallelism.pp 2 --parallelism.dp_shard 1 --training.local_batch_size 8
                      --parallelism.pp_microbatches 8 --parallelism.pp_schedule 1F1B); steps=$STEPS_PP; fsdp=0 ;;
         tp4) A+=(--parallelism.tp 4 --parallelism.dp_shard 1 --training.local_batch_size 4); fsdp=0 ;;
@@ -228,7 +229,7 @@ tt_args() {  # tt_args ROW: torchtitan's arguments for ROW (without tt_) into th
             A+=(--parallelism.pipeline_parallel_degree 2 --parallelism.data_parallel_shard_degree 2
                 --training.local_batch_size 8 --parallelism.pipeline_parallel_microbatch_size 1
                 --parallelism.pipeline_parallel_schedule "$sched"); steps=$STEPS_PP
-            [ "$sched" = ZBVZeroBubble ] && A+=(--activation_checkpoint.mode "$AC_ZBV") ;;
+            [ "$sched" = ZBVZeroBubble ] && A+=(--activation_checkpoint.mode "$AC_ZBV" --compile.no-enable) ;;
         tp2_pp2) A+=(--parallelism.pipeline_parallel_degree 2 --parallelism.tensor_parallel_degree 2
                      --parallelism.data_parallel_shard_degree 1 --training.local_batch_size 8
                      --parallelism.pipeline_parallel_microbatch_size 1 --parallelism.pipeline_parallel_schedule 1F1B)
