@@ -10,9 +10,10 @@ Left out of the speed order (none of the peaks is): the MoDE EP 2 row. Measured 
 the expert load imbalance (the most loaded expert got 5-7x the mean routed tokens; every EP rank waits for the
 hot one) nor the host read of the all-to-all split sizes, which set the EP 2 step (RESULTS.md, issue 40
 profile). EP 4 against EP 1 is ordered: measured in one call on the current code.
-Every TP row was measured before op-level selective AC kept TP's reduce-scatter outputs (2026-11-28, third session);
-the planner models the policy since then, which in a compiled block saves attention's reduce-scattered output
-instead of wo's full partial sums, (1 - 1 / tp) of a d_model activation less per layer and token.
+Op-level selective AC keeps TP's reduce-scatter outputs since 2026-11-28 (third session): in a compiled block it
+saves attention's reduce-scattered output instead of wo's full partial sums, (1 - 1 / tp) of a d_model activation
+less per layer and token. The 8b FSDP 2 x TP 2 rows and the 32b one were measured again after it (fourth session:
+68.4 -> 62.4 GiB at 8b); the 32b TP 4 row is from before it.
 The 1b FSDP 2 x TP 2 and PP 2 x FSDP 2 rows' batch per rank is not written down in RESULTS.md or the bench
 scripts: the rows use 16 sequences per data-parallel rank (8 pipeline micro-batches of 2 under PP), the shape
 the issue-42 planner commit (2768845) planned for its 9.1 GiB.
@@ -83,8 +84,6 @@ ROWS = [
     # "Layouts against torchtitan 0.2.0: the first GPU rows of bench_layouts.sh", 2026-11-28, 4 x H200. The PP row's
     # peak is left out: that trainer logged rank 0 only (the first stage, 69.5 GiB), the planner predicts the
     # heaviest stage (the last: the logits and the head's gradient); the trainer now logs the largest over the ranks
-    Row("llama3_8b, FSDP 2 x TP 2, bf16", "llama3_8b, 4 x H200", EIGHT_B_LAYOUT + " --parallelism.dp_shard 2 "
-        "--parallelism.tp 2 --training.local_batch_size 2", 4, 68.4, 8_716),
     Row("llama3_8b, PP 2 x FSDP 2, 1F1B, 8 micro-batches, bf16", "llama3_8b, 4 x H200", EIGHT_B_LAYOUT
         + " --parallelism.pp 2 --parallelism.dp_shard 2 --training.local_batch_size 8 --parallelism.pp_microbatches 8 "
         "--parallelism.pp_schedule 1F1B", 4, None, 9_327),
@@ -94,13 +93,11 @@ ROWS = [
     Row("llama3_8b, FSDP 4, float8 + float8 all-gather, 4 x H200", "llama3_8b, 4 x H200", EIGHT_B + F8_FSDP, 4,
         51.60, 12_033),
     # "Layouts against torchtitan 0.2.0: HSDP, async TP, the 32b shape; the planner's choice", 2026-11-28 (third
-    # session), 4 x H200: four calls (HSDP and async TP in one, the 32b rows in the next, the planner's choice,
-    # FSDP 4 with AC none, in a third); peaks the largest over the ranks (equal to rank 0's in each)
+    # session), 4 x H200: four calls (HSDP in one, the 32b TP 4 row in the next, the planner's choice, FSDP 4
+    # with AC none, in a third; their TP rows were measured again below); peaks the largest over the ranks (equal to
+    # rank 0's in each)
     Row("llama3_8b, HSDP 2 x 2, op-level SAC, bf16", "llama3_8b, 4 x H200", EIGHT_B_LAYOUT
         + " --parallelism.dp_replicate 2 --parallelism.dp_shard 2 --training.local_batch_size 1", 4, 74.03, 9_281),
-    Row("llama3_8b, FSDP 2 x TP 2, async TP, bf16", "llama3_8b, 4 x H200", EIGHT_B_LAYOUT
-        + " --parallelism.dp_shard 2 --parallelism.tp 2 --training.local_batch_size 2 --parallelism.async_tp true",
-        4, 68.49, 8_422),
     # The planner's choice against FSDP 4 with op-level SAC, two calls on one held machine: ordered among themselves
     # (float8 with SAC measured 3.9% ahead of float8 without AC here, 6.6% at 12,033 in another call: not asserted)
     Row("llama3_8b, FSDP 4, AC none, bf16", "llama3_8b, 4 x H200, one lease", EIGHT_B
@@ -111,8 +108,20 @@ ROWS = [
         9_517),
     Row("llama3_8b, FSDP 4, op-level SAC, float8 + float8 all-gather (one lease)", "llama3_8b, 4 x H200, one lease",
         EIGHT_B + F8_FSDP, 4, 51.60, 11_730),
+    # "Layouts against torchtitan 0.2.0 after the TP selective-AC change; Interleaved1F1B", 2026-11-28 (fourth
+    # session), 4 x H200, two calls (the TP rows in one, Interleaved1F1B in the next); peaks the largest over the
+    # ranks (the Interleaved1F1B row's is rank 2's, the last stage's: rank 0 peaked at 76.44)
+    Row("llama3_8b, FSDP 2 x TP 2, bf16", "llama3_8b, 4 x H200", EIGHT_B_LAYOUT + " --parallelism.dp_shard 2 "
+        "--parallelism.tp 2 --training.local_batch_size 2", 4, 62.42, 8_648),
+    Row("llama3_8b, FSDP 2 x TP 2, async TP, bf16", "llama3_8b, 4 x H200", EIGHT_B_LAYOUT
+        + " --parallelism.dp_shard 2 --parallelism.tp 2 --training.local_batch_size 2 --parallelism.async_tp true",
+        4, 62.49, 8_648),
+    Row("llama3_8b, PP 2 x FSDP 2, Interleaved1F1B (2 stages per rank), 8 micro-batches, bf16",
+        "llama3_8b, 4 x H200", EIGHT_B_LAYOUT + " --parallelism.pp 2 --parallelism.dp_shard 2 "
+        "--training.local_batch_size 8 --parallelism.pp_microbatches 8 --parallelism.pp_schedule Interleaved1F1B "
+        "--parallelism.pp_virtual_stages 2", 4, 82.48, 9_217),
     Row("32b shape 16 layers, FSDP 2 x TP 2", "32b 16 layers, 4 x H200", THIRTY_TWO_B
-        + " --parallelism.dp_shard 2 --parallelism.tp 2 --training.local_batch_size 2", 4, 69.25, 7_717),
+        + " --parallelism.dp_shard 2 --parallelism.tp 2 --training.local_batch_size 2", 4, 64.00, 7_674),
     Row("32b shape 16 layers, TP 4", "32b 16 layers, 4 x H200", THIRTY_TWO_B
         + " --parallelism.tp 4 --parallelism.dp_shard 1 --training.local_batch_size 4", 4, 77.01, 6_602),
     # "MoDE at mode_235b's shape on 4 GPUs: the first row" and "Expert parallelism without one-rank FSDP units ...
