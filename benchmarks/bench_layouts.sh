@@ -11,7 +11,8 @@
 #              (default 16: the planner puts FSDP 4 at 64 GiB, TP 4 at 74; 20 would not fit TP 4) and no QK-norm
 #              (torchtitan's llama3 has none), otherwise as 8b
 #   LAYOUT     fsdp4, hsdp2x2 (full AC in both trainers: the planner puts selective at 83 GiB), fsdp2_tp2,
-#              fsdp2_tp2_async (async TP), pp2_fsdp2_1f1b, pp2_fsdp2_i1f1b (Interleaved1F1B), pp2_fsdp2_zbv
+#              fsdp2_tp2_async (async TP; the row's log holds Inductor's generated code, and the summary counts
+#              the fused all-gather-matmul / matmul-reduce-scatter calls in it), pp2_fsdp2_1f1b, pp2_fsdp2_i1f1b (Interleaved1F1B), pp2_fsdp2_zbv
 #              (ZBVZeroBubble; both 2 stages per rank; full AC in both trainers, AC_ZBV: a zero-bubble schedule runs
 #              the weight gradients as a second backward pass, which op-level selective AC refuses, "Trying to
 #              backward an extra time", seen on CPU; eager in both trainers: neither runs a zero-bubble schedule
@@ -163,6 +164,12 @@ ours_args() {  # ours_args ROW: the trainer's arguments for ROW into the array A
     fi
 }
 
+# The async TP rows log Inductor's generated code (TORCH_LOGS=output_code), so layouts_report.py can count the
+# fused collective-matmul calls in it: Inductor's micro-pipeline pass skips a pattern it cannot fuse silently.
+# inductor_code_log ROW: the command prefix that does so for ROW (nothing for the others: an empty TORCH_LOGS
+# makes torch fail at import)
+inductor_code_log() { [[ $1 == *_async* ]] && echo env TORCH_LOGS=output_code; return 0; }
+
 # ours ROW LIMIT: the planner on the row's arguments (plan rows: its search, whose chosen layout's overrides come
 # last, so they win), then the trainer
 ours() {
@@ -182,7 +189,8 @@ ours() {
     else
         "$PY" -m torchtitan_ext.plan --gpus "$NPROC" "${A[@]}" > "$plan" 2>&1
     fi
-    run_job "$row" "$limit" "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" \
+    local code_log; read -r -a code_log <<< "$(inductor_code_log "$row")"
+    run_job "$row" "$limit" "${code_log[@]}" "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" \
         -m torchtitan_ext.train "${A[@]}"
     "$PY" benchmarks/layouts_report.py row "$row" "$WORK/$row" --plan "$plan" \
         --wall $((SECONDS - t0)) | tee -a "$SUMMARY"
@@ -251,7 +259,8 @@ tt() {  # tt ROW LIMIT
     tt_args "${row#tt_}"
     rm -rf "${WORK:?}/$row"
     (cd benchmarks/torchtitan && TT_32B_LAYERS=$LAYERS_32B PYTHONPATH="$TT_SITE:$PWD:$PYTHONPATH" \
-        timeout "$limit" "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" --tee 3 \
+        timeout "$limit" $(inductor_code_log "$row") "$PY" -m torch.distributed.run --standalone \
+        --nproc_per_node "$NPROC" --tee 3 \
         -m torchtitan.train "${A[@]}" --job.dump_folder "$WORK/$row") > "$WORK/$row.log" 2>&1
     local rc=$?
     echo "run $row: exit $rc after $((SECONDS - t0)) s"

@@ -71,6 +71,11 @@ def row(argv: list[str]) -> dict:
     else:
         measured = scale_report.tt(folder.name, folder.with_name(folder.name + ".log"), argv)
     out = {**{k: v for k, v in measured.items() if k not in ("run", "trainer")}, **meta}
+    log = folder.with_name(folder.name + ".log")
+    if meta["layout"].endswith("_async") and log.is_file():
+        # the row ran with TORCH_LOGS=output_code: 0 means Inductor's micro-pipeline pass fused nothing
+        out["async_tp_fused_calls"] = len(re.findall(r"symm_mem\.fused_\w*(?:matmul|reduce_scatter)",
+                                                     log.read_text(errors="replace")))
     if "--plan" in argv and (plan := Path(argv[argv.index("--plan") + 1])).is_file():
         out.update(parse_plan(plan.read_text(errors="replace")))
         # the planner predicts the heaviest rank: against the largest over the ranks where the trainer logs it
