@@ -12,15 +12,16 @@
 #              (torchtitan's llama3 has none), otherwise as 8b
 #   LAYOUT     fsdp4, hsdp2x2 (full AC in both trainers: the planner puts selective at 83 GiB), fsdp2_tp2,
 #              fsdp2_tp2_async (async TP; the row's log holds Inductor's generated code, and the summary counts
-#              the fused all-gather-matmul / matmul-reduce-scatter calls in it), pp2_fsdp2_1f1b, pp2_fsdp2_i1f1b (Interleaved1F1B), pp2_fsdp2_zbv
-#              (ZBVZeroBubble; both 2 stages per rank; full AC in both trainers, AC_ZBV: a zero-bubble schedule runs
-#              the weight gradients as a second backward pass, which op-level selective AC refuses, "Trying to
-#              backward an extra time", seen on CPU; eager in both trainers: neither runs a zero-bubble schedule
-#              over compiled blocks, ours says so in one line, torchtitan raises), tp2_pp2 (1F1B), tp4. 8b: all but tp4; 32b: fsdp4,
-#              fsdp2_tp2, tp4. torchtitan splits pipeline stages counting the embedding and the head as a layer
-#              each; ours splits the blocks evenly. torchtitan 0.2.0 trains tp4 and tp2_pp2 (no FSDP) in float32:
-#              its mixed precision goes through FSDP ("Mixed precision training is disabled" in its log), so
-#              those rows get no ours / torchtitan ratio.
+#              the fused all-gather-matmul / matmul-reduce-scatter calls in it), pp2_fsdp2_1f1b, pp2_fsdp2_i1f1b
+#              (Interleaved1F1B), pp2_fsdp2_zbv (ZBVZeroBubble; both 2 stages per rank; full AC in both trainers,
+#              AC_ZBV: a zero-bubble schedule runs the weight gradients as a second backward pass, which op-level
+#              selective AC refuses, "Trying to backward an extra time", seen on CPU; eager in both trainers:
+#              neither runs a zero-bubble schedule over compiled blocks, ours says so in one line, torchtitan
+#              raises), tp2_pp2 (1F1B), tp4. 8b: all but tp4; 32b: fsdp4, fsdp2_tp2, tp4. torchtitan splits
+#              pipeline stages counting the embedding and the head as a layer each; ours splits the blocks evenly.
+#              torchtitan 0.2.0 trains tp4 and tp2_pp2 (no FSDP) in float32: its mixed precision goes through
+#              FSDP ("Mixed precision training is disabled" in its log), so those rows get no ours / torchtitan
+#              ratio.
 #              plan: the planner's choice (ours only): `python -m torchtitan_ext.plan --search` on 4 GPUs of the
 #              machine's memory, at the model's global batch of 4 sequences, picks layout, schedule, AC and batch;
 #              the row trains with its overrides, and the table says whether it is the fastest row of the call.
@@ -189,9 +190,9 @@ ours() {
     else
         "$PY" -m torchtitan_ext.plan --gpus "$NPROC" "${A[@]}" > "$plan" 2>&1
     fi
-    local code_log; read -r -a code_log <<< "$(inductor_code_log "$row")"
-    run_job "$row" "$limit" "${code_log[@]}" "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" \
-        -m torchtitan_ext.train "${A[@]}"
+    # shellcheck disable=SC2046  # the prefix's words are meant to split (none is a glob)
+    run_job "$row" "$limit" $(inductor_code_log "$row") "$PY" -m torch.distributed.run --standalone \
+        --nproc_per_node "$NPROC" -m torchtitan_ext.train "${A[@]}"
     "$PY" benchmarks/layouts_report.py row "$row" "$WORK/$row" --plan "$plan" \
         --wall $((SECONDS - t0)) | tee -a "$SUMMARY"
 }

@@ -66,12 +66,12 @@ def parse_plan(text: str) -> dict:
 def row(argv: list[str]) -> dict:
     name, folder = argv[0], Path(argv[1])
     meta = parse_row(name)
+    log = folder.with_name(folder.name + ".log")  # the row's console output, either trainer
     if meta["trainer"] == "ours":
         measured = scale_report.ours(folder, argv)
     else:
-        measured = scale_report.tt(folder.name, folder.with_name(folder.name + ".log"), argv)
+        measured = scale_report.tt(folder.name, log, argv)
     out = {**{k: v for k, v in measured.items() if k not in ("run", "trainer")}, **meta}
-    log = folder.with_name(folder.name + ".log")
     if meta["layout"].endswith("_async") and log.is_file():
         # the row ran with TORCH_LOGS=output_code: 0 means Inductor's micro-pipeline pass fused nothing
         out["async_tp_fused_calls"] = len(re.findall(r"symm_mem\.fused_\w*(?:matmul|reduce_scatter)",
