@@ -61,11 +61,14 @@ LAYOUTS = {
     "fsdp2_tp2_pp2": _layout(8, dp_shard=2, tp=2, pp=2, microbatches=2),
     # op-level selective AC under TP: its policy keeps the reduce-scatters' outputs (parallel/activation_checkpoint.py)
     "fsdp2_tp2_selective_ac": (4, [*_layout(4, dp_shard=2, tp=2)[1], "--activation_checkpoint.mode", "selective"]),
+    # ZBV over checkpointed blocks: its weight pass recomputes each block once (parallel/pp.py Stage)
+    "pp2_zbv_full_ac": (2, [*_layout(2, pp=2, schedule="ZBVZeroBubble", virtual=2, microbatches=4)[1],
+                            "--activation_checkpoint.mode", "full"]),
 }
 
 # The zero-bubble schedules refuse compiled blocks (parallel.pp.check_schedule): they run eager against the
 # compiled reference (float32: the two differ by rounding only).
-EAGER = {"pp2_interleaved_zb", "pp2_zbv"}
+EAGER = {"pp2_interleaved_zb", "pp2_zbv", "pp2_zbv_full_ac"}
 FLOAT8 = ["--float8.enabled", "true", "--float8.recipe", "tensorwise", "--training.mixed_precision_param", "bfloat16"]
 FLOAT8_NPROC = 4 if nu.GPUS >= 4 else 2
 HAVE_TORCHAO = importlib.util.find_spec("torchao") is not None
