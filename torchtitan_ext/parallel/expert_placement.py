@@ -90,6 +90,8 @@ class ExpertPlacement:
         self.layers, self.group, self.load_group = layers, group, load_group
         self.companions, self.min_gain = companions, min_gain
         self.ranks = dist.get_world_size(group)
+        # each layer's expert -> slot map, also on the host (the layers start in expert order)
+        self.slots = [list(range(layer.n_experts)) for layer in layers]
 
     def rebalance(self) -> dict[str, float]:
         """Plan from each layer's routed load since its counter was last reset and move the experts that
@@ -99,8 +101,8 @@ class ExpertPlacement:
         if self.load_group is not None:
             dist.all_reduce(loads, group=self.load_group)
         moved, before, after = 0, 0.0, 0.0
-        for layer, load in zip(self.layers, loads.tolist(), strict=True):
-            old = layer.expert_slot.tolist()
+        for i, load in enumerate(loads.tolist()):
+            old = self.slots[i]
             new = plan_swaps(load, old, self.ranks)
             share_old, share_new = self._top_share(load, old), self._top_share(load, new)
             if share_new > share_old * (1 - self.min_gain):  # not worth the move
@@ -108,7 +110,7 @@ class ExpertPlacement:
             before, after = before + share_old, after + share_new
             if new != old:
                 moved += sum(a != b for a, b in zip(old, new, strict=True))
-                self._place(layer, new)
+                self._place(i, new)
         n = max(len(self.layers), 1)
         return {"moe/placement/experts_moved": float(moved), "moe/placement/top_rank_share_before": before / n,
                 "moe/placement/top_rank_share_after": after / n}
@@ -116,14 +118,14 @@ class ExpertPlacement:
     @contextlib.contextmanager
     def canonical(self) -> Iterator[None]:
         """Every expert at its own index (as checkpoints hold them) inside the block, the placement after."""
-        placed = [layer.expert_slot.tolist() for layer in self.layers]
-        for layer in self.layers:
-            self._place(layer, list(range(len(placed[0]))))
+        placed = list(self.slots)
+        for i, layer in enumerate(self.layers):
+            self._place(i, list(range(layer.n_experts)))
         try:
             yield
         finally:
-            for layer, slots in zip(self.layers, placed, strict=True):
-                self._place(layer, slots)
+            for i, slots in enumerate(placed):
+                self._place(i, slots)
 
     def _top_share(self, load: list[float], slot_of: list[int]) -> float:
         per_rank = len(load) // self.ranks
@@ -133,9 +135,9 @@ class ExpertPlacement:
         return max(by_rank) / max(sum(by_rank), 1.0)
 
     @torch.no_grad()
-    def _place(self, layer: MoDE, slot_of: list[int]) -> None:
-        """Move ``layer``'s experts (weights and companions) so that expert e sits at ``slot_of[e]``."""
-        old = layer.expert_slot.tolist()
+    def _place(self, i: int, slot_of: list[int]) -> None:
+        """Move layer ``i``'s experts (weights and companions) so that expert e sits at ``slot_of[e]``."""
+        layer, old = self.layers[i], self.slots[i]
         if old == slot_of:
             return
         source = [0] * len(slot_of)  # new slot -> old slot of the expert that goes there
@@ -146,3 +148,4 @@ class ExpertPlacement:
                 local = t.to_local() if isinstance(t, DTensor) else t
                 local.copy_(move_rows(local, source, self.group))
         layer.expert_slot.copy_(torch.tensor(slot_of, device=layer.expert_slot.device))
+        self.slots[i] = list(slot_of)
