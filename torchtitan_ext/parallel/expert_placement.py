@@ -39,7 +39,7 @@ def plan_swaps(load: list[float], slot_of: list[int], ranks: int) -> list[int]:
     rank_load = [0.0] * ranks
     for e, s in enumerate(slot_of):
         rank_load[s // per_rank] += load[e]
-    for _ in range(n_experts * ranks):  # every swap narrows the gap between the two ranks: a bound, not a cap
+    for _ in range(n_experts * ranks):  # each swap lowers the sum of squared rank loads, so the loop ends anyway
         hi = max(range(ranks), key=lambda r: (rank_load[r], -r))
         lo = min(range(ranks), key=lambda r: (rank_load[r], r))
         gap = rank_load[hi] - rank_load[lo]
