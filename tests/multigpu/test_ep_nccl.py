@@ -47,6 +47,8 @@ CASES = {
     "ep4_compiled": ("ep1_compiled", 4, True, []),
     "ep4_compiled_ac": ("ep1_compiled", 4, True, FULL_AC),
     "ep4_compiled_shared": ("ep1_compiled_shared", 4, True, SHARED),
+    # experts moved between the ranks by load every 2 steps (parallel/expert_placement.py): still EP 1's losses
+    "ep4_compiled_placed": ("ep1_compiled", 4, True, ["--parallelism.ep_rebalance_steps", "2"]),
 }
 REFERENCES = {"ep1_eager": (False, []), "ep1_compiled": (True, []), "ep1_compiled_shared": (True, SHARED)}
 

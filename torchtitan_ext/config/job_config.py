@@ -175,6 +175,9 @@ class ParallelismSection:
     tp: int = opt(1, "tensor (+ sequence) parallel degree", min=1)
     pp: int = opt(1, "pipeline parallel degree", min=1)
     ep: int = opt(1, "expert parallel degree, carved out of the data-parallel ranks", min=1)
+    ep_rebalance_steps: int = opt(0, "every N steps move experts between the expert-parallel ranks by their "
+                                  "routed load (0: never); needs ep = dp_shard > 1 with no dp_replicate or pp",
+                                  min=0)
     dp_mode: str = opt("fsdp", "data parallel style on dp_shard: FSDP2, or plain DDP (replicate)",
                        choices=("fsdp", "ddp"))
     pp_schedule: str = opt("1F1B", "pipeline schedule", choices=(

@@ -175,12 +175,17 @@ class MoDE(nn.Module):
                              persistent=False)
         self.token_domains: torch.Tensor | None = None
         self.last_aux_loss = self.last_z_loss = None
+        # Where each expert's weights sit in ``experts`` (row of w1 / w2 / w3): expert parallelism's placement
+        # by load (``parallel/expert_placement.py``) moves experts between ranks; the identity otherwise.
+        # Not saved: checkpoints hold the experts in their own order.
+        self.register_buffer("expert_slot", torch.arange(args.n_experts), persistent=False)
 
     @torch.no_grad()
     def reset_buffers(self) -> None:
         self.expert_bias.zero_()
         self.load.zero_()
         self.domain_load.zero_()
+        torch.arange(self.n_experts, out=self.expert_slot)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (tokens, dim) -> expert ids (tokens, k), gates (tokens, k), router logits (tokens, E) fp32."""
@@ -221,8 +226,9 @@ class MoDE(nn.Module):
         return self.combine_outputs(y, x, plan).reshape(shape)
 
     def dispatch_tokens(self, x: torch.Tensor, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor, tuple]:
-        """Route x (tokens, dim) and copy each token to its k experts: (the copies sorted by expert, copies
-        per expert, what ``combine_outputs`` needs). Also counts the load and builds the balancing loss."""
+        """Route x (tokens, dim) and copy each token to its k experts: (the copies in the order the experts
+        sit in ``experts``, copies per expert in that order, what ``combine_outputs`` needs). Also counts the
+        load (per expert) and builds the balancing loss."""
         idx, gates, logits = self.route(x)
         if torch.is_autocast_enabled(x.device.type):  # the copies travel in the dtype the experts compute in
             x = x.to(torch.get_autocast_dtype(x.device.type))
@@ -231,14 +237,16 @@ class MoDE(nn.Module):
         # on the data, which torch.compile cannot trace in one graph). On an H100 it cost the same as the
         # int64 scatter-add it replaced (benchmarks/RESULTS.md, MoDE step profiled).
         counts = (flat[:, None] == torch.arange(self.n_experts, device=flat.device)).sum(dim=0)
-        order = flat.argsort(stable=True)  # token copies sorted by expert
+        slots = self.expert_slot[flat]
+        order = slots.argsort(stable=True)  # token copies sorted by where their expert sits
         inv = inverse_permutation(order)
+        slot_counts = torch.zeros_like(counts).scatter_(0, self.expert_slot, counts)
         aux = None
         if self.training:  # loads steer the balancing bias and the metrics: training tokens only
             self._count_load(counts, flat, shape)
             if self.aux_coef > 0 or self.z_coef > 0:
                 aux = self.balancing_loss(logits, idx, counts)
-        return dispatch_copies(x, order, inv, self.top_k), counts, (order, inv, gates, aux)
+        return dispatch_copies(x, order, inv, self.top_k), slot_counts, (order, inv, gates, aux)
 
     def combine_outputs(self, y: torch.Tensor, x: torch.Tensor, plan: tuple,
                         shared: torch.Tensor | None = None) -> torch.Tensor:

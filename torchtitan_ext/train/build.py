@@ -186,6 +186,11 @@ def check_layout(cfg: JobConfig, args: ModelArgs, dims: ParallelDims) -> None:
                                  f"parallelism.tp = {dims.tp} (sequence parallel shards the sequence)")
         if dims.ep > 1:
             check_ep(args.n_experts, dims.ep, dims.tp)
+        if cfg.parallelism.ep_rebalance_steps > 0 and not dims.experts_alone:
+            raise ValueError(f"parallelism.ep_rebalance_steps = {cfg.parallelism.ep_rebalance_steps} needs expert "
+                              f"parallelism over every data-parallel rank (ep = dp_shard > 1, dp_replicate = 1, "
+                              f"pp = 1); got ep {dims.ep}, dp_shard {dims.dp_shard}, dp_replicate "
+                              f"{dims.dp_replicate}, pp {dims.pp}")
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -39,6 +39,8 @@ from torchtitan_ext.metrics.logger import MetricsLogger, flops_per_token, peak_f
 from torchtitan_ext.metrics.memory import peak_memory_metrics
 from torchtitan_ext.metrics.profiling import Profiling
 from torchtitan_ext.metrics.wandb_sink import tracking_sinks
+from torchtitan_ext.parallel.compile import clean_fqn
+from torchtitan_ext.parallel.expert_placement import ExpertPlacement
 from torchtitan_ext.parallel.grad_norm import grad_norm
 from torchtitan_ext.parallel.pp import build_schedule
 from torchtitan_ext.quant.float8 import precompute_float8_scales
@@ -48,7 +50,7 @@ from torchtitan_ext.train.gc_schedule import GarbageCollection
 from torchtitan_ext.train.initial import load_initial_weights
 from torchtitan_ext.train.losses import cross_entropy_loss, fused_head_loss
 from torchtitan_ext.train.lr_schedule import lr_multiplier
-from torchtitan_ext.train.moe_balance import balance_experts, set_token_domains
+from torchtitan_ext.train.moe_balance import balance_experts, mode_layers, set_token_domains
 from torchtitan_ext.train.preemption import Preemption
 
 log = logging.getLogger(__name__)
@@ -95,6 +97,8 @@ class Trainer:
         # TP rank's slice of the sequence; expert loads are summed over them.
         self.moe_group = self.dims.submesh("dp_tp" if self.dims.tp > 1 else "dp").get_group() \
             if self.has_moe and self.dims.dp * self.dims.tp > 1 else None
+        self.placement = self._build_placement() if cfg.parallelism.ep_rebalance_steps > 0 else None
+        self._placement_metrics: dict[str, float] = {}
         self.loss_fn = self._build_loss()
         self.pp_microbatches = pp_microbatches(cfg, self.dims) if self.dims.pp > 1 else 1
         self.distill = Distillation(cfg, self.loader, self.model_args.vocab_size, self.pp_microbatches) \
@@ -116,6 +120,25 @@ class Trainer:
         active = counts["active"] - (0 if a.tie_embeddings else counts["embedding"])  # the lookup is no matmul
         self.flops_per_token = flops_per_token(active, a.n_layers, a.n_heads, a.hdim, cfg.training.seq_len)
         self.peak_flops = peak_flops()
+
+    def _build_placement(self) -> ExpertPlacement:
+        """Experts moved between the expert-parallel ranks by load, with their optimizer states and EMA
+        shadows (``parallel/expert_placement.py``)."""
+        names = {p: clean_fqn(n) for part in self.model_parts for n, p in part.named_parameters()}
+
+        def companions(param: torch.nn.Parameter) -> list[torch.Tensor]:
+            states = [v for opt in self.optimizers.optimizers for v in opt.state.get(param, {}).values()
+                      if isinstance(v, torch.Tensor) and v.shape == param.shape]
+            shadow = self.ema.shadow.get(names[param]) if self.ema is not None else None
+            return states + ([shadow] if shadow is not None else [])
+
+        ep_mesh = self.dims.submesh("ep_tp" if self.dims.tp > 1 else "ep")
+        return ExpertPlacement([layer for _, layer in mode_layers(self.model_parts)], ep_mesh.get_group(),
+                               self.moe_group, companions)
+
+    def _experts_in_order(self):
+        """Checkpoints hold the experts in their own order: the placement steps aside while one is saved."""
+        return self.placement.canonical() if self.placement is not None else contextlib.nullcontext()
 
     def _build_loss(self):
         """Compiled, the loss fuses the float32 upcast of the logits into the cross-entropy kernels; with
@@ -473,7 +496,11 @@ class Trainer:
             self.attn.record_lse(log_now)
             queued = self.queue_step()
             window_steps += 1
+            if self.placement is not None and self.step % cfg.parallelism.ep_rebalance_steps == 0:
+                self._placement_metrics = self.placement.rebalance()  # from the loads balance_experts then resets
             moe_metrics = balance_experts(self.model_parts, self.moe_group, report=log_now) if self.has_moe else {}
+            if log_now:
+                moe_metrics.update(self._placement_metrics)
             if unread is not None:  # the previous step: finished on the device by now
                 self.settle(unread)
                 unread = None
@@ -499,14 +526,16 @@ class Trainer:
                 window_start, window_steps = time.perf_counter(), 0
             if preempted:  # every rank stops after this same step
                 if self.checkpointer.cfg.enabled:
-                    self.checkpointer.save(self.step, wait=True)
+                    with self._experts_in_order():
+                        self.checkpointer.save(self.step, wait=True)
                 log.info(f"preempted (signal) after step {self.step}: " + (
                     f"saved {self.checkpointer.folder}/step-{self.step}; exiting" if self.checkpointer.cfg.enabled
                     else "checkpoint.enabled = false, nothing saved; exiting")
                     + f" (this rank: {self.preemption.source()})")
                 return
             if save_now:
-                self.checkpointer.save(self.step, wait=self.step == t.steps)
+                with self._experts_in_order():
+                    self.checkpointer.save(self.step, wait=self.step == t.steps)
         self.checkpointer.finish_pending()
         figures = self.evaluate() if self.last_eval_step != self.step else {}  # not twice for the last step
         if figures:
