@@ -17,7 +17,9 @@
 #              AC_ZBV: a zero-bubble schedule runs the weight gradients as a second backward pass, which op-level
 #              selective AC refuses, "Trying to backward an extra time", seen on CPU; eager in both trainers:
 #              neither runs a zero-bubble schedule over compiled blocks, ours says so in one line, torchtitan
-#              raises), tp2_pp2 (1F1B), tp4. 8b: all but tp4; 32b: fsdp4, fsdp2_tp2, tp4. torchtitan splits
+#              raises), tp2_pp2 (1F1B), tp4; on 2 GPUs (the rows' NPROC is 2): pp2_i1f1b and pp2_zbv, PP 2
+#              alone with a pipeline's batch of pp2_fsdp2 (8 micro-batches of 1), otherwise as pp2_fsdp2_*.
+#              8b: all but tp4; 32b: fsdp4, fsdp2_tp2, tp4. torchtitan splits
 #              pipeline stages counting the embedding and the head as a layer each; ours splits the blocks evenly.
 #              torchtitan 0.2.0 trains tp4 and tp2_pp2 (no FSDP) in float32: its mixed precision goes through
 #              FSDP ("Mixed precision training is disabled" in its log), so those rows get no ours / torchtitan
@@ -28,6 +30,7 @@
 #
 # Usage, from the repository root on a 4-GPU machine (carry .whl: torchao for _f8, torchtitan's wheels for tt_):
 #   OUT_DIR=$OUT ROWS="8b_fsdp4 tt_8b_fsdp4 8b_fsdp4_f8 tt_8b_fsdp4_f8" benchmarks/bench_layouts.sh
+#   (a 2-GPU machine: the pp2_i1f1b and pp2_zbv rows only)
 #   benchmarks/bench_layouts.sh --list        every row with its expected wall time on 4 H100s
 #   benchmarks/bench_layouts.sh --smoke       the script's plumbing on CPU: 4 gloo processes, the debug model,
 #                                             eager (ROWS default: one row per layout kind; tt_ and _f8 rows
@@ -60,8 +63,8 @@ LAYERS_32B="${LAYERS_32B:-16}"
 AC_HSDP="${AC_HSDP:-full}"
 AC_ZBV="${AC_ZBV:-full}"
 DEADLINE="${DEADLINE:-560}"
-NPROC=4
-LAYOUTS_8B="fsdp4 hsdp2x2 fsdp2_tp2 fsdp2_tp2_async pp2_fsdp2_1f1b pp2_fsdp2_i1f1b pp2_fsdp2_zbv tp2_pp2"
+LAYOUTS_8B="fsdp4 hsdp2x2 fsdp2_tp2 fsdp2_tp2_async pp2_fsdp2_1f1b pp2_fsdp2_i1f1b pp2_fsdp2_zbv tp2_pp2 pp2_i1f1b
+            pp2_zbv"
 LAYOUTS_32B="fsdp4 fsdp2_tp2 tp4"
 ALL_ROWS=""
 for m in 8b 32b; do
@@ -76,7 +79,8 @@ done
 estimate() {
     local row=${1#tt_} start step steps=$STEPS
     case $row in
-        8b_pp2_*) start=100; step=35; steps=$STEPS_PP ;;  # tenths of a second
+        8b_pp2_fsdp2_*) start=100; step=35; steps=$STEPS_PP ;;  # tenths of a second
+        8b_pp2_*) start=100; step=40; steps=$STEPS_PP ;;
         8b_tp2_pp2*) start=100; step=20; steps=$STEPS_PP ;;
         8b_hsdp2x2*) start=90; step=12 ;;
         8b_plan*) start=95; step=9 ;;
@@ -137,6 +141,7 @@ ours_args() {  # ours_args ROW: the trainer's arguments for ROW into the array A
             --training.compile true)
     fi
     local steps=$STEPS
+    NPROC=4
     case $layout in
         fsdp4|plan) A+=(--parallelism.dp_shard 4 --training.local_batch_size 1) ;;
         hsdp2x2) A+=(--parallelism.dp_replicate 2 --parallelism.dp_shard 2 --training.local_batch_size 1
@@ -151,6 +156,13 @@ ours_args() {  # ours_args ROW: the trainer's arguments for ROW into the array A
                 --parallelism.pp_microbatches 8 --parallelism.pp_schedule "$sched"
                 --parallelism.pp_virtual_stages "$virtual"); steps=$STEPS_PP
             [ "$sched" = ZBVZeroBubble ] && A+=(--activation_checkpoint.mode "$AC_ZBV" --training.compile false) ;;
+        pp2_i1f1b) A+=(--parallelism.pp 2 --parallelism.dp_shard 1 --training.local_batch_size 8
+                       --parallelism.pp_microbatches 8 --parallelism.pp_schedule Interleaved1F1B
+                       --parallelism.pp_virtual_stages 2); steps=$STEPS_PP; fsdp=0; NPROC=2 ;;
+        pp2_zbv) A+=(--parallelism.pp 2 --parallelism.dp_shard 1 --training.local_batch_size 8
+                     --parallelism.pp_microbatches 8 --parallelism.pp_schedule ZBVZeroBubble
+                     --parallelism.pp_virtual_stages 2 --activation_checkpoint.mode "$AC_ZBV"
+                     --training.compile false); steps=$STEPS_PP; fsdp=0; NPROC=2 ;;
         tp2_pp2) A+=(--parallelism.tp 2 --parallelism.pp 2 --parallelism.dp_shard 1 --training.local_batch_size 8
                      --parallelism.pp_microbatches 8 --parallelism.pp_schedule 1F1B); steps=$STEPS_PP; fsdp=0 ;;
         tp4) A+=(--parallelism.tp 4 --parallelism.dp_shard 1 --training.local_batch_size 4); fsdp=0 ;;
@@ -221,6 +233,7 @@ tt_args() {  # tt_args ROW: torchtitan's arguments for ROW (without tt_) into th
     local row=$1 model layout f8=0 fsdp=1 steps=$STEPS
     [[ $row == *_f8 ]] && { f8=1; row=${row%_f8}; }
     model=${row%%_*}; layout=${row#*_}
+    NPROC=4
     A=(--job.config_file llama3_layouts.toml --model.hf_assets_path "$TT_ASSETS/tokenizer"
        --training.dataset_path "$TT_ASSETS/c4_local")
     [ "$model" = 32b ] && A+=(--model.flavor 32b_shape)
@@ -238,6 +251,13 @@ tt_args() {  # tt_args ROW: torchtitan's arguments for ROW (without tt_) into th
             A+=(--parallelism.pipeline_parallel_degree 2 --parallelism.data_parallel_shard_degree 2
                 --training.local_batch_size 8 --parallelism.pipeline_parallel_microbatch_size 1
                 --parallelism.pipeline_parallel_schedule "$sched"); steps=$STEPS_PP
+            [ "$sched" = ZBVZeroBubble ] && A+=(--activation_checkpoint.mode "$AC_ZBV" --compile.no-enable) ;;
+        pp2_i1f1b|pp2_zbv)
+            local sched=Interleaved1F1B
+            [ "$layout" = pp2_zbv ] && sched=ZBVZeroBubble
+            A+=(--parallelism.pipeline_parallel_degree 2 --parallelism.data_parallel_shard_degree 1
+                --training.local_batch_size 8 --parallelism.pipeline_parallel_microbatch_size 1
+                --parallelism.pipeline_parallel_schedule "$sched"); steps=$STEPS_PP; fsdp=0; NPROC=2
             [ "$sched" = ZBVZeroBubble ] && A+=(--activation_checkpoint.mode "$AC_ZBV" --compile.no-enable) ;;
         tp2_pp2) A+=(--parallelism.pipeline_parallel_degree 2 --parallelism.tensor_parallel_degree 2
                      --parallelism.data_parallel_shard_degree 1 --training.local_batch_size 8

@@ -34,7 +34,7 @@ PLAN_CHOSEN = re.compile(r"^chosen: (.+): ([\d.]+) GiB per GPU, step ([\d.]+) (m
 # Torchtitan 0.2.0 applies its bf16 mixed precision through FSDP: a layout without FSDP trains in float32 there
 # ("Mixed precision training with TP or PP is only supported when FSDP/HSDP/CP is enabled", seen on 4 H200s), so
 # our bf16 row has no torchtitan counterpart to be compared with.
-TT_FLOAT32_LAYOUTS = {"tp4", "tp2_pp2"}
+TT_FLOAT32_LAYOUTS = {"tp4", "tp2_pp2", "pp2_i1f1b", "pp2_zbv"}
 
 
 def parse_row(row: str) -> dict:

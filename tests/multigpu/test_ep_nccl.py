@@ -48,6 +48,7 @@ CASES = {
     "ep4_compiled_ac": ("ep1_compiled", 4, True, FULL_AC),
     "ep4_compiled_shared": ("ep1_compiled_shared", 4, True, SHARED),
     # experts moved between the ranks by load every 2 steps (parallel/expert_placement.py): still EP 1's losses
+    "ep2_compiled_placed": ("ep1_compiled", 2, True, ["--parallelism.ep_rebalance_steps", "2"]),
     "ep4_compiled_placed": ("ep1_compiled", 4, True, ["--parallelism.ep_rebalance_steps", "2"]),
 }
 REFERENCES = {"ep1_eager": (False, []), "ep1_compiled": (True, []), "ep1_compiled_shared": (True, SHARED)}
@@ -131,6 +132,9 @@ def test_expert_parallel_matches_ep1(jobs, case):
         assert got[0][key] == pytest.approx(ref[0][key], rel=1e-2), key
     first, last = ref[0]["loss"], ref[-1]["loss"]
     assert last < 0.9 * first, f"the reference barely learns ({first:.3f} -> {last:.3f}): the comparison is empty"
+    if case.endswith("_placed"):  # experts really moved between the ranks, or the comparison is empty
+        moved = [r.get("moe/placement/experts_moved", 0.0) for r in got]
+        assert sum(moved) > 0, moved
 
 
 def test_checkpoint_resumes_at_half_the_ep_degree(jobs):
