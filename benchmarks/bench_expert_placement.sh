@@ -5,7 +5,8 @@
 # prints its median tokens/s per GPU over the windows after step 10 (scale_report.py), and for the placed runs
 # the experts moved and the most loaded rank's share of the routed tokens before and after, at the last log.
 # Usage, on a 2- or 4-GPU machine: OUT_DIR=$OUT benchmarks/bench_expert_placement.sh
-#   env: NPROC (2), STEPS (100), EVERY (25: ep_rebalance_steps), LIMIT (seconds per run, 120)
+#   env: NPROC (2), STEPS (100), EVERY (25: ep_rebalance_steps), LIMIT (seconds per run, 120), SMOKE=1 (the
+#        plumbing on CPU: bench_mode_scale.sh --smoke)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT_DIR=${OUT_DIR:?set OUT_DIR}
@@ -14,7 +15,7 @@ mkdir -p "$OUT_DIR"
 one() {  # one NAME EP EXTRA...
     local name=$1 ep=$2; shift 2
     NPROC=$NPROC STEPS=$STEPS LIMIT=$LIMIT DEADLINE=$((LIMIT + 70)) OUT_DIR=/tmp/bep_out/$name WORK=/tmp/bep/$name \
-        RUNS="ep$ep" EXTRA="$*" bash benchmarks/bench_mode_scale.sh > "/tmp/bep_$name.log" 2>&1
+        RUNS="ep$ep" EXTRA="$*" bash benchmarks/bench_mode_scale.sh ${SMOKE:+--smoke} > "/tmp/bep_$name.log" 2>&1
     cp "/tmp/bep/$name/ep$ep/metrics.jsonl" "$OUT_DIR/$name.jsonl" 2>/dev/null
     python3 - "$name" "/tmp/bep_out/$name/summary.jsonl" "$OUT_DIR/$name.jsonl" <<'PY'
 import json, sys
