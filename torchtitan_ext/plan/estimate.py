@@ -22,6 +22,7 @@ from torchtitan_ext.data.tokenizers import vocab_size_of
 from torchtitan_ext.errors import ConfigError
 from torchtitan_ext.models.args import ModelArgs
 from torchtitan_ext.parallel.dims import ParallelDims, ParallelDimsError
+from torchtitan_ext.parallel.pp import ZERO_BUBBLE
 
 GIB = 2**30
 PARAMS = "parameters (fp32)"
@@ -281,15 +282,28 @@ def _activation_memory(p: Plan, job: _Job) -> None:
         recompute = max(max(full_i - kept_i, 0.0) for full_i, kept_i in zip(per_layer, kept, strict=True)) * tokens
     else:
         acts, recompute = full, 0.0
-    in_flight, micro = 1.0, 1
+    in_flight, micro, v = 1.0, 1, 1
+    zero_bubble = dims.pp > 1 and cfg.parallelism.pp_schedule in ZERO_BUBBLE
     if dims.pp > 1:  # the first rank holds its warm-up micro-batches, each through one (virtual) stage
         v = cfg.parallelism.pp_virtual_stages
         micro = cfg.parallelism.pp_microbatches or dims.pp * v
-        held = min(micro * v, 2 * (dims.pp - 1) + (v - 1) * dims.pp + 1 if v > 1 else dims.pp)
+        if zero_bubble:  # torch's orders (test_zero_bubble_orders.py): a graph lives until its weight pass
+            held = min(micro, dims.pp) * v
+        else:
+            held = min(micro * v, 2 * (dims.pp - 1) + (v - 1) * dims.pp + 1 if v > 1 else dims.pp)
         in_flight = held / (micro * v)
         p.notes.append(f"pipeline: {micro} micro-batches, {held} (micro-batch, stage) activations held on the "
                        "first rank")
     p.memory["activations"] = acts * in_flight + recompute / micro
+    if zero_bubble:
+        # The first rank runs each weight pass right after its input pass (later ranks defer more of them:
+        # ZBV's rank r holds 2r + 1, InterleavedZeroBubble's r + 1, without the embedding and head). During it,
+        # the output gradient of every parameterised op of one (micro-batch, stage), which the input pass kept,
+        # and the stage's recomputed activations (one recomputation for all its parameters: parallel/pp.py Stage)
+        # live together, instead of one block's recomputation.
+        grads = sum(sorted((weight_pass_gradients(args, i, act, dims.tp) for i in range(args.n_layers)),
+                           reverse=True)[:layers]) * tokens
+        p.memory["activations"] += ((full - acts) + grads) / (v * micro) - recompute / micro
     p.activations_no_ac = full * in_flight
     # loss parallel (train/build.py): TP without PP keeps the logits vocabulary-sharded and the trainer runs
     # that cross-entropy eagerly (DTensor ops, trainer._build_loss); a last pipeline stage gathers its logits
@@ -310,6 +324,24 @@ def _activation_memory(p: Plan, job: _Job) -> None:
     else:  # eager backward of the cross-entropy: gradient of the fp32 logits, then its cast to the head dtype
         loss_peak = tokens * vocab_local * (F32 + (act if act != F32 else 0))
     p.memory["logits / cross-entropy"] = (head + loss_peak) / micro  # one micro-batch at a time
+
+
+def weight_pass_gradients(args: ModelArgs, layer: int, act: int, tp: int) -> float:
+    """Per token of block ``layer``: the gradients a zero-bubble schedule's input pass keeps for its weight pass,
+    one per output of an op with parameters (the norms, q / k / v, wo, the FFN's or the router's and experts'
+    linears). Tensor parallelism divides heads and hidden sizes, sequence parallelism the d_model-sized ones."""
+    d, hd = args.dim, args.hdim
+    hq, hk = args.n_heads // tp, (args.kv_heads // tp if args.computes_kv(layer) else 0)
+    out = 3 * d / tp + hd * (hq + 2 * hk)  # two norms and wo / w2 (sequence-sharded), q, k, v
+    if args.qk_norm:
+        out += hd * (hq + hk)
+    if args.is_moe(layer):  # router logits (fp32) and top_k routed copies through w1, w3 (w2 is counted above)
+        out += (F32 / act) * args.n_experts / tp + args.top_k * (2 * args.expert_hidden + d) / tp
+        if args.shared_expert:
+            out += (2 * args.expert_hidden + d) / tp
+    else:
+        out += args.ffn_hidden // tp * (2 if args.activation == "swiglu" else 1)
+    return act * out
 
 
 def float8_input_saving(args: ModelArgs, layer: int, tp: int) -> float:

@@ -124,6 +124,18 @@ ROWS = [
         + " --parallelism.dp_shard 2 --parallelism.tp 2 --training.local_batch_size 2", 4, 64.00, 7_674),
     Row("32b shape 16 layers, TP 4", "32b 16 layers, 4 x H200", THIRTY_TWO_B
         + " --parallelism.tp 4 --parallelism.dp_shard 1 --training.local_batch_size 4", 4, 77.01, 6_602),
+    # "Zero-bubble pipelines on GPUs after the weight-pass fix", 2026-11-29, 2 x H200 (nvidia-h200-x2), one call:
+    # PP 2 alone, 2 stages per rank, a pipeline's batch of 8 sequences as 8 micro-batches (bench_layouts.sh's
+    # pp2_zbv and pp2_i1f1b rows); peaks the largest over the ranks (the ZBV one is rank 0's, which holds the
+    # embedding and the head). ZBV runs eager with full AC (a zero-bubble schedule refuses both compiled blocks and
+    # op-level selective AC).
+    Row("llama3_8b, PP 2, ZBVZeroBubble, full AC, eager", "llama3_8b PP 2, 2 x H200", EIGHT_B_LAYOUT.replace(
+        "--training.compile true", "--training.compile false").replace("mode selective", "mode full")
+        + " --parallelism.pp 2 --parallelism.dp_shard 1 --training.local_batch_size 8 --parallelism.pp_microbatches 8 "
+        "--parallelism.pp_schedule ZBVZeroBubble --parallelism.pp_virtual_stages 2", 2, 105.55, 4_974),
+    Row("llama3_8b, PP 2, Interleaved1F1B", "llama3_8b PP 2, 2 x H200", EIGHT_B_LAYOUT + " --parallelism.pp 2 "
+        "--parallelism.dp_shard 1 --training.local_batch_size 8 --parallelism.pp_microbatches 8 "
+        "--parallelism.pp_schedule Interleaved1F1B --parallelism.pp_virtual_stages 2", 2, 101.37, 9_299),
     # "MoDE at mode_235b's shape on 4 GPUs: the first row" and "Expert parallelism without one-rank FSDP units ...
     # mode_235b PP 2 x EP 2", 2026-11-28, 4 x H200 (two calls); peaks the largest over the ranks. The EP 4 row was
     # measured while its experts were still a one-rank FSDP unit; the planner models them outside FSDP now: one
