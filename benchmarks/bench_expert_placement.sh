@@ -11,6 +11,9 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT_DIR=${OUT_DIR:?set OUT_DIR}
 NPROC=${NPROC:-2}; STEPS=${STEPS:-100}; EVERY=${EVERY:-25}; LIMIT=${LIMIT:-120}
+for key in NPROC STEPS EVERY LIMIT; do
+    [[ ${!key} =~ ^[1-9][0-9]*$ ]] || { echo "error: $key='${!key}': expected a positive whole number" >&2; exit 2; }
+done
 mkdir -p "$OUT_DIR"
 one() {  # one NAME EP EXTRA...
     local name=$1 ep=$2; shift 2
