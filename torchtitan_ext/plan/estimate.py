@@ -332,15 +332,15 @@ def weight_pass_gradients(args: ModelArgs, layer: int, act: int, tp: int) -> flo
     linears). Tensor parallelism divides heads and hidden sizes, sequence parallelism the d_model-sized ones."""
     d, hd = args.dim, args.hdim
     hq, hk = args.n_heads // tp, (args.kv_heads // tp if args.computes_kv(layer) else 0)
-    out = 3 * d / tp + hd * (hq + 2 * hk)  # two norms and wo / w2 (sequence-sharded), q, k, v
+    out = 3 * d / tp + hd * (hq + 2 * hk)  # two norms and wo (sequence-sharded), q, k, v
     if args.qk_norm:
         out += hd * (hq + hk)
-    if args.is_moe(layer):  # router logits (fp32) and top_k routed copies through w1, w3 (w2 is counted above)
+    if args.is_moe(layer):  # router logits (fp32), top_k routed copies through w1, w3 and w2
         out += (F32 / act) * args.n_experts / tp + args.top_k * (2 * args.expert_hidden + d) / tp
         if args.shared_expert:
             out += (2 * args.expert_hidden + d) / tp
-    else:
-        out += args.ffn_hidden // tp * (2 if args.activation == "swiglu" else 1)
+    else:  # w1 (and w3 for SwiGLU), w2 (sequence-sharded)
+        out += args.ffn_hidden // tp * (2 if args.activation == "swiglu" else 1) + d / tp
     return act * out
 
 
