@@ -22,6 +22,7 @@ each removed.
 
 from __future__ import annotations
 
+import gc
 import glob
 import io
 import logging
@@ -264,9 +265,15 @@ def prepare(opts, hooks: Hooks | None = None) -> dict | None:
         # ends a worker waiting for the task queue's lock, which it holds, by SIGTERM alone.
         previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN),
                     signal.SIGTERM: signal.signal(signal.SIGTERM, signal.SIG_DFL)}
+        # A forked worker must not run the destructors of this process's garbage: an unreferenced torch
+        # process group (a trainer's, a test's) hangs a child whose collector frees it (its threads were not
+        # forked). So the garbage is freed here, and what lives is frozen out of the workers' collections.
+        gc.collect()
+        gc.freeze()
         try:
             pool = ctx.Pool(opts.workers, _init_worker, init)
         finally:
+            gc.unfreeze()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
     else:
