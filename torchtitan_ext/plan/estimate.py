@@ -304,6 +304,10 @@ def _activation_memory(p: Plan, job: _Job) -> None:
         grads = sum(sorted((weight_pass_gradients(args, i, act, dims.tp) for i in range(args.n_layers)),
                            reverse=True)[:layers]) * tokens
         p.memory["activations"] += ((full - acts) + grads) / (v * micro) - recompute / micro
+        deferred = 2 * dims.pp - 1 if cfg.parallelism.pp_schedule == "ZBVZeroBubble" else dims.pp
+        p.notes.append(f"zero-bubble: the last rank holds up to {deferred} (micro-batch, stage) output-gradient sets "
+                       f"of {grads / (v * micro) / GIB:.2f} GiB for its weight passes (the peak above is the "
+                       "first rank's: one, with the embedding and the head)")
     p.activations_no_ac = full * in_flight
     # loss parallel (train/build.py): TP without PP keeps the logits vocabulary-sharded and the trainer runs
     # that cross-entropy eagerly (DTensor ops, trainer._build_loss); a last pipeline stage gathers its logits

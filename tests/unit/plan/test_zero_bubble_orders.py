@@ -49,7 +49,14 @@ def test_planner_counts_match_torch_orders(schedule, pp, micro, virtual):
     ranks = [_held_and_waiting(actions) for actions in _order(schedule, pp, micro, virtual)]
     assert max(held for held, _ in ranks) == min(micro, pp) * virtual
     assert ranks[0][1] == 1  # the first rank: each weight pass right after its input pass
-    assert max(waiting for _, waiting in ranks) > 1  # later ranks defer theirs (the planner's note says so)
+    # later ranks defer theirs, the last one most: the planner's note gives its count
+    assert max(waiting for _, waiting in ranks) == ranks[-1][1] > 1
+    argv = (f"--data.tokenizer byte --model.flavor debug --model.n_layers {4 * pp * virtual} "
+            f"--activation_checkpoint.mode full --training.compile false --parallelism.pp {pp} "
+            f"--parallelism.dp_shard 1 --training.local_batch_size {micro} --parallelism.pp_microbatches {micro} "
+            f"--parallelism.pp_virtual_stages {virtual} --parallelism.pp_schedule {schedule.__name__[8:]}")
+    note = next(n for n in plan(parse_args(argv.split()), pp).notes if n.startswith("zero-bubble"))
+    assert f"holds up to {ranks[-1][1]} " in note, note
 
 
 def test_zero_bubble_weight_pass_costs_memory():
