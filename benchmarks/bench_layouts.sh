@@ -149,20 +149,14 @@ ours_args() {  # ours_args ROW: the trainer's arguments for ROW into the array A
         fsdp2_tp2) A+=(--parallelism.dp_shard 2 --parallelism.tp 2 --training.local_batch_size 2) ;;
         fsdp2_tp2_async) A+=(--parallelism.dp_shard 2 --parallelism.tp 2 --training.local_batch_size 2
                              --parallelism.async_tp true) ;;
-        pp2_fsdp2_*)
-            local sched=1F1B virtual=1
-            case ${layout#pp2_fsdp2_} in i1f1b) sched=Interleaved1F1B; virtual=2 ;; zbv) sched=ZBVZeroBubble; virtual=2 ;; esac
-            A+=(--parallelism.pp 2 --parallelism.dp_shard 2 --training.local_batch_size 8
+        pp2_*)  # pp2_fsdp2_SCHEDULE on 4 GPUs; pp2_SCHEDULE, PP 2 alone, on 2
+            local sched=1F1B virtual=1 shard=2
+            [[ $layout == pp2_fsdp2_* ]] || { shard=1; fsdp=0; NPROC=2; }
+            case ${layout##*_} in i1f1b) sched=Interleaved1F1B; virtual=2 ;; zbv) sched=ZBVZeroBubble; virtual=2 ;; esac
+            A+=(--parallelism.pp 2 --parallelism.dp_shard "$shard" --training.local_batch_size 8
                 --parallelism.pp_microbatches 8 --parallelism.pp_schedule "$sched"
                 --parallelism.pp_virtual_stages "$virtual"); steps=$STEPS_PP
             [ "$sched" = ZBVZeroBubble ] && A+=(--activation_checkpoint.mode "$AC_ZBV" --training.compile false) ;;
-        pp2_i1f1b) A+=(--parallelism.pp 2 --parallelism.dp_shard 1 --training.local_batch_size 8
-                       --parallelism.pp_microbatches 8 --parallelism.pp_schedule Interleaved1F1B
-                       --parallelism.pp_virtual_stages 2); steps=$STEPS_PP; fsdp=0; NPROC=2 ;;
-        pp2_zbv) A+=(--parallelism.pp 2 --parallelism.dp_shard 1 --training.local_batch_size 8
-                     --parallelism.pp_microbatches 8 --parallelism.pp_schedule ZBVZeroBubble
-                     --parallelism.pp_virtual_stages 2 --activation_checkpoint.mode "$AC_ZBV"
-                     --training.compile false); steps=$STEPS_PP; fsdp=0; NPROC=2 ;;
         tp2_pp2) A+=(--parallelism.tp 2 --parallelism.pp 2 --parallelism.dp_shard 1 --training.local_batch_size 8
                      --parallelism.pp_microbatches 8 --parallelism.pp_schedule 1F1B); steps=$STEPS_PP; fsdp=0 ;;
         tp4) A+=(--parallelism.tp 4 --parallelism.dp_shard 1 --training.local_batch_size 4); fsdp=0 ;;
@@ -245,19 +239,13 @@ tt_args() {  # tt_args ROW: torchtitan's arguments for ROW (without tt_) into th
                        --training.local_batch_size 2) ;;
         fsdp2_tp2_async) A+=(--parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 2
                              --training.local_batch_size 2 --parallelism.enable_async_tensor_parallel) ;;
-        pp2_fsdp2_*)
-            local sched=1F1B
-            case ${layout#pp2_fsdp2_} in i1f1b) sched=Interleaved1F1B ;; zbv) sched=ZBVZeroBubble ;; esac
-            A+=(--parallelism.pipeline_parallel_degree 2 --parallelism.data_parallel_shard_degree 2
+        pp2_*)  # as ours
+            local sched=1F1B shard=2
+            [[ $layout == pp2_fsdp2_* ]] || { shard=1; fsdp=0; NPROC=2; }
+            case ${layout##*_} in i1f1b) sched=Interleaved1F1B ;; zbv) sched=ZBVZeroBubble ;; esac
+            A+=(--parallelism.pipeline_parallel_degree 2 --parallelism.data_parallel_shard_degree "$shard"
                 --training.local_batch_size 8 --parallelism.pipeline_parallel_microbatch_size 1
                 --parallelism.pipeline_parallel_schedule "$sched"); steps=$STEPS_PP
-            [ "$sched" = ZBVZeroBubble ] && A+=(--activation_checkpoint.mode "$AC_ZBV" --compile.no-enable) ;;
-        pp2_i1f1b|pp2_zbv)
-            local sched=Interleaved1F1B
-            [ "$layout" = pp2_zbv ] && sched=ZBVZeroBubble
-            A+=(--parallelism.pipeline_parallel_degree 2 --parallelism.data_parallel_shard_degree 1
-                --training.local_batch_size 8 --parallelism.pipeline_parallel_microbatch_size 1
-                --parallelism.pipeline_parallel_schedule "$sched"); steps=$STEPS_PP; fsdp=0; NPROC=2
             [ "$sched" = ZBVZeroBubble ] && A+=(--activation_checkpoint.mode "$AC_ZBV" --compile.no-enable) ;;
         tp2_pp2) A+=(--parallelism.pipeline_parallel_degree 2 --parallelism.tensor_parallel_degree 2
                      --parallelism.data_parallel_shard_degree 1 --training.local_batch_size 8
