@@ -8,6 +8,11 @@
 #   env: NPROC (2), STEPS (100), EVERY (25: ep_rebalance_steps), LIMIT (seconds per run, 120), SMOKE=1 (the
 #        plumbing on CPU: bench_mode_scale.sh --smoke)
 set -uo pipefail
+case ${1:-} in
+    -h|--help) sed -n '2,/^set -uo pipefail/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    "") ;;
+    *) echo "error: unknown argument '$1' (settings come from the environment; --help lists them)" >&2; exit 2 ;;
+esac
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT_DIR=${OUT_DIR:?set OUT_DIR}
 NPROC=${NPROC:-2}; STEPS=${STEPS:-100}; EVERY=${EVERY:-25}; LIMIT=${LIMIT:-120}
