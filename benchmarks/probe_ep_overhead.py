@@ -43,11 +43,12 @@ SHAPE = dict(dim=2048, n_heads=16, n_kv_heads=8, n_layers=8, n_experts=64, top_k
 def build(variant: str, args: ModelArgs, mesh, device: torch.device, compiled: bool) -> Decoder:
     with torch.device("meta"):
         model = Decoder(args)
+    plan = model.init_plan()  # by the plain model's names
     if variant == "ep1":
         apply_ep(model, mesh, data_parallel_share=1)
     if compiled:
         apply_compile(model, experts_in_graph=variant == "in_graph", tensor_parallel=False)
-    materialize_and_init(model, device, seed=0, plan=model.init_plan())
+    materialize_and_init(model, device, seed=0, plan=plan)
     model.init_buffers(device)
     return model
 
