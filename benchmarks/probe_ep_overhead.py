@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
 from torchtitan_ext.models.args import ModelArgs
@@ -73,7 +74,11 @@ def run(variant: str, args: ModelArgs, mesh, opts: argparse.Namespace) -> dict:
     device, batch, seq, steps = torch.device(opts.device), opts.batch, opts.seq, opts.steps
     torch.manual_seed(0)
     model = build(variant, args, mesh, device, compiled=not opts.eager)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    # fused AdamW takes DTensors (ep1's experts) or plain tensors, not both in one call
+    params = list(model.parameters())
+    opts_ = [torch.optim.AdamW(group, lr=1e-4, fused=device.type == "cuda") for group in
+             ([p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)])
+             if group]
     gen = torch.Generator(device=device).manual_seed(1)
     tokens = torch.randint(0, args.vocab_size, (steps + 3, batch, seq + 1), device=device, generator=gen)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -83,8 +88,9 @@ def run(variant: str, args: ModelArgs, mesh, opts: argparse.Namespace) -> dict:
             logits = model(tokens[i, :, :-1])
         loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[i, :, 1:].flatten())
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        for opt in opts_:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         return loss.detach()
 
     for i in range(3):  # compile and warm up
@@ -121,6 +127,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=SHAPE["dim"])
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run (gloo)")
+    parser.add_argument("--out", default="", help="also append each variant's JSON line to this file")
     parser.add_argument("--eager", action="store_true", help="nothing compiled (then in_graph = eager)")
     opts = parser.parse_args()
     variants = opts.variants.split(",")
@@ -139,7 +146,11 @@ def main() -> None:
     args = dataclasses.replace(ModelArgs(), **{**SHAPE, "n_layers": opts.layers, "max_seq_len": opts.seq,
                                                "dim": opts.dim, "n_heads": heads, "n_kv_heads": heads // 2})
     for v in variants:
-        print(json.dumps(run(v, args, mesh, opts)), flush=True)
+        line = json.dumps(run(v, args, mesh, opts))
+        print(line, flush=True)
+        if opts.out:
+            with open(opts.out, "a") as f:
+                f.write(line + "\n")
         gc.collect()  # the last variant's model and optimizer states
         if opts.device == "cuda":
             torch.cuda.empty_cache()
