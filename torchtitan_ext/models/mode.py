@@ -39,13 +39,34 @@ def add_aux_loss(out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Te
     return _AddAuxGrad.apply(out, aux, scale)
 
 
+class _GroupedLinear(torch.autograd.Function):
+    """Row block g of ``x`` times ``w[g].T`` (``torch._grouped_mm``, bf16), with the weight gradient computed
+    in ``w``'s own (groups, out, in) layout. Autograd's formula for ``w.transpose(-2, -1)`` as the second
+    operand (torch 2.11) yields the transposed layout, which the cast back to the parameter's dtype and the
+    gradient's accumulation then copy element by element (15 ms a step for 4.4e9 expert weights on an H200,
+    benchmarks/RESULTS.md)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w, offs)
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, w, offs = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = torch._grouped_mm(grad, w, offs=offs) if ctx.needs_input_grad[0] else None
+        grad_w = torch._grouped_mm(grad.t(), x, offs=offs) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None
+
+
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """Row block g of ``x`` (rows ends[g-1]:ends[g]) times ``w[g].T``; w is (groups, out, in).
 
     On CUDA one ``torch._grouped_mm`` in bf16 (no host sync, no loop), whose result stays bf16 under autocast
     as a Linear's does; elsewhere a loop over groups."""
     if x.is_cuda:
-        out = torch._grouped_mm(x.bfloat16(), w.bfloat16().transpose(-2, -1), offs=ends.int())
+        out = _GroupedLinear.apply(x.bfloat16(), w.bfloat16(), ends.int())
         return out if torch.is_autocast_enabled("cuda") else out.to(x.dtype)
     outs, start = [], 0
     for g, end in enumerate(ends.tolist()):
@@ -114,9 +135,15 @@ class GroupedExperts(nn.Module):
     """E SwiGLU experts in stacked weights; input rows sorted by expert, ``counts[e]`` rows each.
 
     ``grad_scale`` multiplies the weights' gradients: expert parallelism sets it to 1 / ep, because an
-    expert's gradient then sums the losses of all its EP peers' tokens, which data parallelism averages."""
+    expert's gradient then sums the losses of all its EP peers' tokens, which data parallelism averages.
+
+    ``dispatcher``: None, or expert parallelism's (``parallel/ep.py``): ``send(experts, x, counts)`` takes the
+    rows to the ranks that hold their experts and returns this rank's rows and counts, ``receive(experts, y)``
+    brings the results back. The weights are cast before ``send``, whose host read of the split sizes then
+    finds the casts already queued on the GPU instead of launching them while the GPU waits."""
 
     grad_scale = 1.0
+    dispatcher = None
     # Expert parallelism's dispatch can run other work while the rows travel (``parallel/ep.py``): when
     # ``overlaps_side_work``, the MoDE layer sets ``side_work`` (a callable) before calling the experts and
     # reads its result from ``side_result`` after.
@@ -142,8 +169,16 @@ class GroupedExperts(nn.Module):
         return w1, w2, w3
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        ends = counts.cumsum(0)
-        w1, w2, w3 = self.local_weights()
+        weights = self.local_weights()
+        if self.dispatcher is None:
+            return self.compute(x, counts, weights)
+        x, counts = self.dispatcher.send(self, x, counts)
+        return self.dispatcher.receive(self, self.compute(x, counts, weights))
+
+    def compute(self, x: torch.Tensor, counts: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The experts on rows sorted by expert (``counts[e]`` rows each), given ``local_weights()``."""
+        w1, w2, w3 = weights
+        ends = counts.cumsum(0, dtype=torch.int32)
         h = F.silu(grouped_mm(x, w1, ends)) * grouped_mm(x, w3, ends)
         return grouped_mm(h, w2, ends)
 
