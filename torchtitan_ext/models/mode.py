@@ -135,15 +135,9 @@ class GroupedExperts(nn.Module):
     """E SwiGLU experts in stacked weights; input rows sorted by expert, ``counts[e]`` rows each.
 
     ``grad_scale`` multiplies the weights' gradients: expert parallelism sets it to 1 / ep, because an
-    expert's gradient then sums the losses of all its EP peers' tokens, which data parallelism averages.
-
-    ``dispatcher``: None, or expert parallelism's (``parallel/ep.py``): ``send(experts, x, counts)`` takes the
-    rows to the ranks that hold their experts and returns this rank's rows and counts, ``receive(experts, y)``
-    brings the results back. The weights are cast before ``send``, whose host read of the split sizes then
-    finds the casts already queued on the GPU instead of launching them while the GPU waits."""
+    expert's gradient then sums the losses of all its EP peers' tokens, which data parallelism averages."""
 
     grad_scale = 1.0
-    dispatcher = None
     # Expert parallelism's dispatch can run other work while the rows travel (``parallel/ep.py``): when
     # ``overlaps_side_work``, the MoDE layer sets ``side_work`` (a callable) before calling the experts and
     # reads its result from ``side_result`` after.
@@ -169,16 +163,8 @@ class GroupedExperts(nn.Module):
         return w1, w2, w3
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        weights = self.local_weights()
-        if self.dispatcher is None:
-            return self.compute(x, counts, weights)
-        x, counts = self.dispatcher.send(self, x, counts)
-        return self.dispatcher.receive(self, self.compute(x, counts, weights))
-
-    def compute(self, x: torch.Tensor, counts: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """The experts on rows sorted by expert (``counts[e]`` rows each), given ``local_weights()``."""
-        w1, w2, w3 = weights
-        ends = counts.cumsum(0, dtype=torch.int32)
+        ends = counts.cumsum(0, dtype=torch.int32)  # the grouped GEMMs' offsets
+        w1, w2, w3 = self.local_weights()
         h = F.silu(grouped_mm(x, w1, ends)) * grouped_mm(x, w3, ends)
         return grouped_mm(h, w2, ends)
 

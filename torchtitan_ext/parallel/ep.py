@@ -12,10 +12,7 @@ differentiable, so gradients flow back to the router and to the tokens' ranks.
 Host syncs: one per layer's forward. The all-to-all of the rows needs its split sizes on the host, so the
 send and receive splits are read together in one ``.tolist()``; nothing else reads the device (the
 re-sorting index is computed arithmetically from the [source, local expert] count matrix: cumsums and a
-``searchsorted``, no ``repeat_interleave`` without an output size, no argsort). When the host reads, the GPU
-runs dry and waits for whatever the host launches next, so the work that does not need the split sizes is
-queued before the read: the experts' weight casts (``GroupedExperts.forward``) and the re-sorting indices
-(built for an upper bound of the rows and cut after the read). The backward reuses the
+``searchsorted``, no ``repeat_interleave`` without an output size, no argsort). The backward reuses the
 forward's splits and indices, and so does an activation-checkpointing recomputation when the block is
 checkpointed with ``recompute_contexts`` as its ``context_fn`` (``parallel/activation_checkpoint.py`` does
 this for MoDE blocks): the recomputed forward replays the routes recorded by the original one instead of
@@ -89,13 +86,11 @@ class _Wait(torch.autograd.Function):
 
 def regroup_index(counts: torch.Tensor, total: int) -> torch.Tensor:
     """Rows that lie in blocks ordered row-major over ``counts`` (a, b) (block (i, j) holds counts[i, j]
-    rows; ``total`` rows in all) -> the gather index ``idx`` such that ``rows[idx]`` lists the blocks
-    column-major ((0, j), (1, j), ... for j = 0, 1, ...), each block's rows in order.
+    rows; ``total`` rows in all, known on the host) -> the gather index ``idx`` such that ``rows[idx]``
+    lists the blocks column-major ((0, j), (1, j), ... for j = 0, 1, ...), each block's rows in order.
 
     Computed arithmetically, without a host read: an output row in column-major block ``c`` comes from
-    the start of that block in the row-major input plus its offset inside the block. ``total`` may exceed
-    the rows that exist (a bound known before the counts are read): the index is then valid for its first
-    ``counts.sum()`` entries, and the rest are to be cut off."""
+    the start of that block in the row-major input plus its offset inside the block."""
     a, b = counts.shape
     flat = counts.reshape(-1)
     row_start = (flat.cumsum(0) - flat).view(a, b).t().reshape(-1)  # input start of each block, column-major
@@ -103,7 +98,6 @@ def regroup_index(counts: torch.Tensor, total: int) -> torch.Tensor:
     col_end = col.cumsum(0)
     pos = torch.arange(total, device=counts.device, dtype=col_end.dtype)
     block = torch.searchsorted(col_end, pos, right=True)  # empty blocks are skipped: their end equals the next start
-    block = block.clamp_(max=a * b - 1)  # positions past the last row (a bound above the real total)
     return pos + (row_start - (col_end - col))[block]
 
 
@@ -118,24 +112,18 @@ class Route:
     local_counts: torch.Tensor  # rows per local expert after re-sorting
 
 
-def plan_route(counts: torch.Tensor, ep: int, group: dist.ProcessGroup, bound: int) -> Route:
-    """Exchange the per-expert counts with the ranks of ``group`` and read both splits with one host sync.
-
-    ``bound``: at least the rows this rank can receive. The re-sorting indices are built for that many rows
-    before the host read and cut to the real count after it, so that the GPU is still busy with them when
-    the host waits, and the host has less to launch while the GPU waits for it."""
+def plan_route(counts: torch.Tensor, ep: int, group: dist.ProcessGroup) -> Route:
+    """Exchange the per-expert counts with the ranks of ``group`` and read both splits with one host sync."""
     n_local = counts.numel() // ep
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts, group=group)
     received = received.view(ep, n_local)  # [source rank, local expert] rows this rank receives
-    order, inv = regroup_index(received, bound), regroup_index(received.t(), bound)
-    local_counts = received.sum(dim=0)
     splits = torch.cat([counts.view(ep, n_local).sum(dim=1), received.sum(dim=1)]).tolist()  # the one sync
     send_splits, recv_splits = splits[:ep], splits[ep:]
     total = sum(recv_splits)
-    if total > bound:  # a peer sent more rows than the bound allowed for (ranks with unequal batches)
-        order, inv = regroup_index(received, total), regroup_index(received.t(), total)
-    return Route(send_splits, recv_splits, order[:total], inv[:total], local_counts)
+    order = regroup_index(received, total)
+    inv = regroup_index(received.t(), total)
+    return Route(send_splits, recv_splits, order, inv, received.sum(dim=0))
 
 
 class _RouteTape:
@@ -145,9 +133,9 @@ class _RouteTape:
         self.routes: list[Route] = []
         self.replay_at: int | None = None
 
-    def next_route(self, counts: torch.Tensor, ep: int, group: dist.ProcessGroup, bound: int) -> Route:
+    def next_route(self, counts: torch.Tensor, ep: int, group: dist.ProcessGroup) -> Route:
         if self.replay_at is None:
-            route = plan_route(counts, ep, group, bound)
+            route = plan_route(counts, ep, group)
             self.routes.append(route)
             return route
         route = self.routes[self.replay_at]
@@ -179,36 +167,28 @@ def recompute_contexts() -> tuple[_TapeContext, _TapeContext]:
     return _TapeContext(tape, replay=False), _TapeContext(tape, replay=True)
 
 
-class ExpertDispatch:
-    """``GroupedExperts.dispatcher`` under expert parallelism over ``mesh``: rows out to the ranks holding
-    their experts, results back."""
+def _dispatch(module: GroupedExperts, inputs: tuple, mesh: DeviceMesh) -> tuple[torch.Tensor, torch.Tensor]:
+    x, counts = inputs
+    ep, group = mesh.size(), mesh.get_group()
+    tape = _ACTIVE_TAPE.get()
+    route = plan_route(counts, ep, group) if tape is None else tape.next_route(counts, ep, group)
+    if x.shape[0] != sum(route.send_splits):
+        raise RuntimeError(f"expert parallelism: {x.shape[0]} routed rows, but the route sends "
+                           f"{sum(route.send_splits)} (a recomputation that routed differently?)")
+    side_work, module.side_work = module.side_work, None
+    pending = [] if side_work is not None else None
+    x = _AllToAll.apply(x, route.recv_splits, route.send_splits, group, pending)
+    if side_work is not None:  # e.g. the shared expert, computed while the rows travel
+        module.side_result = side_work()
+        x = _Wait.apply(x, pending)
+    module._ep_route = route
+    return permute_rows(x, route.order, route.inv), route.local_counts
 
-    def __init__(self, mesh: DeviceMesh):
-        self.mesh = mesh
-        self.route: Route | None = None  # between send and receive
 
-    def send(self, experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-        ep, group = self.mesh.size(), self.mesh.get_group()
-        bound = ep * x.shape[0]  # every rank routes a batch of the same shape
-        tape = _ACTIVE_TAPE.get()
-        route = plan_route(counts, ep, group, bound) if tape is None else tape.next_route(counts, ep, group, bound)
-        if x.shape[0] != sum(route.send_splits):
-            raise RuntimeError(f"expert parallelism: {x.shape[0]} routed rows, but the route sends "
-                               f"{sum(route.send_splits)} (a recomputation that routed differently?)")
-        side_work, experts.side_work = experts.side_work, None
-        pending = [] if side_work is not None else None
-        x = _AllToAll.apply(x, route.recv_splits, route.send_splits, group, pending)
-        if side_work is not None:  # e.g. the shared expert, computed while the rows travel
-            experts.side_result = side_work()
-            x = _Wait.apply(x, pending)
-        self.route = route
-        return permute_rows(x, route.order, route.inv), route.local_counts
-
-    def receive(self, experts: GroupedExperts, out: torch.Tensor) -> torch.Tensor:
-        route, self.route = self.route, None
-        unsorted = permute_rows(out, route.inv, route.order)
-        return _AllToAll.apply(unsorted, route.send_splits, route.recv_splits, self.mesh.get_group(), None)
+def _combine(module: GroupedExperts, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    route, module._ep_route = module._ep_route, None
+    unsorted = permute_rows(out, route.inv, route.order)
+    return _AllToAll.apply(unsorted, route.send_splits, route.recv_splits, mesh.get_group(), None)
 
 
 def check_ep(n_experts: int, ep: int, tp: int = 1) -> None:
@@ -230,7 +210,6 @@ def apply_ep(model: nn.Module, mesh: DeviceMesh, data_parallel_share: int) -> No
     for block in model.layers.values():
         if isinstance(block.feed_forward, MoDE):
             module = block.feed_forward.experts
-            distribute_module(module, mesh, _shard_experts)
-            module.dispatcher = ExpertDispatch(mesh)
+            distribute_module(module, mesh, _shard_experts, _dispatch, _combine)
             module.grad_scale = 1.0 / data_parallel_share
             module.overlaps_side_work = True

@@ -224,8 +224,8 @@ class Float8GroupedExperts(GroupedExperts):
         super().__init__(n_experts, dim, hidden)
         self.emulate = emulate
 
-    def compute(self, x: torch.Tensor, counts: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        w1, w2, w3 = weights
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = self.local_weights()
         plan = pad_plan(counts, x.shape[0])
         xp = pad_rows(x, plan)
         h1, h3 = float8_grouped_mm(xp, (w1, w3), plan.ends, self.emulate)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import run_distributed
 
 from torchtitan_ext.models.mode import inverse_permutation
 from torchtitan_ext.parallel.ep import regroup_index
@@ -52,41 +51,3 @@ def test_regroup_index_all_empty_and_hand_case():
     received = torch.tensor([[2, 1], [1, 0]])
     assert regroup_index(received, 4).tolist() == [0, 1, 3, 2]
     assert regroup_index(received.t(), 4).tolist() == [0, 1, 3, 2]
-
-
-@pytest.mark.parametrize("ep, n_local", [(1, 4), (2, 4), (4, 16)])
-def test_regroup_index_built_for_a_bound_then_cut_equals_the_exact_one(ep, n_local):
-    """The dispatch builds the index for an upper bound of the rows before it reads the real count; cut to
-    that count it must equal the index built for it."""
-    gen = torch.Generator().manual_seed(7 + ep)
-    for trial in range(10):
-        received = _random_counts(gen, ep, n_local, empty_rank=trial % 2 == 0)
-        total = int(received.sum())
-        for bound in (total, total + 1, 4 * total + 9):
-            assert torch.equal(regroup_index(received, bound)[:total], regroup_index(received, total))
-            assert torch.equal(regroup_index(received.t(), bound)[:total], regroup_index(received.t(), total))
-    assert regroup_index(torch.zeros(2, 3, dtype=torch.long), 5)[:0].numel() == 0
-
-
-def _route_worker(rank: int, world: int) -> list:
-    import torch.distributed as dist
-
-    from torchtitan_ext.parallel.ep import plan_route
-
-    counts = torch.tensor([3, 0, 2, 1])  # each rank's copies per expert; rank 0 holds experts 0, 1, rank 1 2, 3
-    out = []
-    for bound in (0, 3, 2 * counts.sum().item()):  # below the real count (the exact rebuild), tight, loose
-        route = plan_route(counts, world, dist.group.WORLD, bound)
-        out.append((route.send_splits, route.recv_splits, route.order.tolist(), route.inv.tolist(),
-                    route.local_counts.tolist()))
-    return out
-
-
-def test_plan_route_rebuilds_when_the_bound_is_too_small():
-    results = run_distributed(_route_worker, 2)
-    for per_rank in results:
-        assert per_rank[0] == per_rank[1] == per_rank[2]  # the bound changes nothing the route says
-    # rank 0 receives 3 rows of expert 0 from each rank: already expert-major
-    assert results[0][0] == ([3, 3], [3, 3], [0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5], [6, 0])
-    # rank 1 receives (e2, e2, e3) from each rank: rows 0, 1, 3, 4 are expert 2's, rows 2, 5 expert 3's
-    assert results[1][0] == ([3, 3], [3, 3], [0, 1, 3, 4, 2, 5], [0, 1, 4, 2, 3, 5], [4, 2])
