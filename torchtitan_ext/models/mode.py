@@ -39,34 +39,13 @@ def add_aux_loss(out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Te
     return _AddAuxGrad.apply(out, aux, scale)
 
 
-class _GroupedLinear(torch.autograd.Function):
-    """Row block g of ``x`` times ``w[g].T`` (``torch._grouped_mm``, bf16), with the weight gradient computed
-    in ``w``'s own (groups, out, in) layout. Autograd's formula for ``w.transpose(-2, -1)`` as the second
-    operand (torch 2.11) yields the transposed layout, which the cast back to the parameter's dtype and the
-    gradient's accumulation then copy element by element (15 ms a step for 4.4e9 expert weights on an H200,
-    benchmarks/RESULTS.md)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, w, offs)
-        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        x, w, offs = ctx.saved_tensors
-        grad = grad.contiguous()
-        grad_x = torch._grouped_mm(grad, w, offs=offs) if ctx.needs_input_grad[0] else None
-        grad_w = torch._grouped_mm(grad.t(), x, offs=offs) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w, None
-
-
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """Row block g of ``x`` (rows ends[g-1]:ends[g]) times ``w[g].T``; w is (groups, out, in).
 
     On CUDA one ``torch._grouped_mm`` in bf16 (no host sync, no loop), whose result stays bf16 under autocast
     as a Linear's does; elsewhere a loop over groups."""
     if x.is_cuda:
-        out = _GroupedLinear.apply(x.bfloat16(), w.bfloat16(), ends.int())
+        out = torch._grouped_mm(x.bfloat16(), w.bfloat16().transpose(-2, -1), offs=ends.int())
         return out if torch.is_autocast_enabled("cuda") else out.to(x.dtype)
     outs, start = [], 0
     for g, end in enumerate(ends.tolist()):
@@ -163,7 +142,7 @@ class GroupedExperts(nn.Module):
         return w1, w2, w3
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        ends = counts.cumsum(0, dtype=torch.int32)  # the grouped GEMMs' offsets
+        ends = counts.cumsum(0)
         w1, w2, w3 = self.local_weights()
         h = F.silu(grouped_mm(x, w1, ends)) * grouped_mm(x, w3, ends)
         return grouped_mm(h, w2, ends)

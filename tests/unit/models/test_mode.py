@@ -252,31 +252,3 @@ def test_mode_config_layout_is_valid_at_its_world_size(name, world, extra):
     if world > 8:  # the cluster jobs: under 60 GiB by the estimate, leaving room for buffers and fragmentation
         memory = _stage_memory_gib(cfg, args, dims)
         assert max(memory) < 0.75 * H100_GIB, [round(m, 1) for m in memory]
-
-
-@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm needs torch >= 2.9")
-def test_grouped_linear_gradients_equal_a_float64_loop_in_the_weights_layout():
-    """``_GroupedLinear`` (the CUDA path of ``grouped_mm``; torch's grouped GEMM also runs on CPU): output and
-    both gradients equal a per-group float64 loop, an empty group included, and the weight gradient comes in
-    the weight's own contiguous (groups, out, in) layout (no transposed copy)."""
-    from torchtitan_ext.models.mode import _GroupedLinear
-
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(48, 32, generator=gen, requires_grad=True)
-    w = torch.randn(4, 24, 32, generator=gen, requires_grad=True)
-    ends = torch.tensor([16, 16, 32, 48], dtype=torch.int32)  # group 1 is empty
-    grad = torch.randn(48, 24, generator=gen)
-    _GroupedLinear.apply(x, w, ends).backward(grad)
-
-    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-    outs, start = [], 0
-    for g, end in enumerate(ends.tolist()):
-        outs.append(x64[start:end] @ w64[g].t())
-        start = end
-    torch.cat(outs).backward(grad.double())
-    assert w.grad.is_contiguous() and w.grad.shape == w.shape
-    torch.testing.assert_close(x.grad, x64.grad.float(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(w.grad, w64.grad.float(), rtol=1e-5, atol=1e-5)
-    assert w.grad[1].abs().max() == 0  # no rows, no gradient
-    with torch.no_grad():
-        torch.testing.assert_close(_GroupedLinear.apply(x, w, ends), torch.cat(outs).float(), rtol=1e-5, atol=1e-5)
