@@ -106,6 +106,12 @@ def run(variant: str, args: ModelArgs, mesh, opts: argparse.Namespace) -> dict:
            "losses": [round(x.item(), 4) for x in losses]}
     if device.type == "cuda":
         out["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    if opts.trace_dir and device.type == "cuda":  # where the GPU waits for the host: benchmarks/trace_gaps.py
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU], with_stack=True) as prof:
+            for i in range(2):
+                step(i)
+            sync()
+        prof.export_chrome_trace(os.path.join(opts.trace_dir, f"{variant}.json"))
     if opts.profile and device.type == "cuda":
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
             for i in range(2):
@@ -127,6 +133,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=SHAPE["dim"])
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run (gloo)")
+    parser.add_argument("--trace-dir", default="", help="save a Chrome trace with Python stacks per variant here")
     parser.add_argument("--out", default="", help="also append each variant's JSON line to this file")
     parser.add_argument("--eager", action="store_true", help="nothing compiled (then in_graph = eager)")
     opts = parser.parse_args()
