@@ -252,3 +252,20 @@ def test_mode_config_layout_is_valid_at_its_world_size(name, world, extra):
     if world > 8:  # the cluster jobs: under 60 GiB by the estimate, leaving room for buffers and fragmentation
         memory = _stage_memory_gib(cfg, args, dims)
         assert max(memory) < 0.75 * H100_GIB, [round(m, 1) for m in memory]
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.25, 1 / 3])
+def test_expert_weight_cast_scales_its_gradient_in_one_pass(scale):
+    """The eager experts' weight cast (``_CastForExperts``, used on CUDA; compiled, it runs on CPU too): the
+    forward is ``w.bfloat16()``; the backward returns the bf16 gradient in ``w``'s dtype times ``scale``,
+    contiguous even when the gradient arrives transposed (as a grouped GEMM's weight gradient does)."""
+    from torchtitan_ext.models.mode import _CastForExperts
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(3, 8, 16, generator=gen, requires_grad=True)
+    out = _CastForExperts.apply(w, scale)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, w.detach().bfloat16())
+    grad = torch.randn(3, 16, 8, generator=gen).bfloat16().transpose(-2, -1)  # a transposed layout
+    out.backward(grad)
+    assert w.grad.dtype == torch.float32 and w.grad.is_contiguous()
+    assert torch.equal(w.grad, grad.float() * scale)  # exact: one float32 multiply of the widened gradient
