@@ -141,6 +141,8 @@ def main() -> None:
     unknown = set(variants) - {"in_graph", "eager", "ep1"}
     if unknown:
         parser.error(f"--variants: unknown {sorted(unknown)}; expected in_graph, eager, ep1")
+    if opts.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA GPU here (--device cpu --eager runs a smoke test)")
     if opts.steps < 5:
         parser.error(f"--steps {opts.steps}: expected at least 5 (3 are warm-up)")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
