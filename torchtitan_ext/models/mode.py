@@ -157,7 +157,9 @@ class GroupedExperts(nn.Module):
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(w1, w2, w3) of this rank's experts (under expert parallelism the weights are DTensors sharded by
         expert), their gradients scaled by ``grad_scale``. On CUDA in bf16, the grouped GEMMs' dtype (already
-        so when FSDP holds them): the scaling then runs over bf16 gradients, half the bytes of fp32 ones."""
+        so when FSDP holds them): the scaling then runs over bf16 gradients, half the bytes of fp32 ones. Eager
+        experts with fp32 weights (expert parallelism, float8 experts) cast through ``_CastForExperts``, whose
+        backward widens and scales in one pass."""
         w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
         if w1.is_cuda and w1.dtype != torch.bfloat16 and not torch.compiler.is_compiling():  # experts run eagerly
             return tuple(_CastForExperts.apply(w, self.grad_scale) for w in (w1, w2, w3))
