@@ -76,7 +76,7 @@ def run(variant: str, args: ModelArgs, mesh, opts: argparse.Namespace) -> dict:
     model = build(variant, args, mesh, device, compiled=not opts.eager)
     # fused AdamW takes DTensors (ep1's experts) or plain tensors, not both in one call
     params = list(model.parameters())
-    opts_ = [torch.optim.AdamW(group, lr=1e-4, fused=device.type == "cuda") for group in
+    optimizers = [torch.optim.AdamW(group, lr=1e-4, fused=device.type == "cuda") for group in
              ([p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)])
              if group]
     gen = torch.Generator(device=device).manual_seed(1)
@@ -88,7 +88,7 @@ def run(variant: str, args: ModelArgs, mesh, opts: argparse.Namespace) -> dict:
             logits = model(tokens[i, :, :-1])
         loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[i, :, 1:].flatten())
         loss.backward()
-        for opt in opts_:
+        for opt in optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)
         return loss.detach()

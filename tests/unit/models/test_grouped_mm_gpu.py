@@ -6,17 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gpu_utils import poison_cuda_cache
 
 from torchtitan_ext.models.mode import grouped_mm
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                                  reason="needs a CUDA GPU of compute capability 9.0 (torch._grouped_mm)")]
-
-
-def _poison_cuda_cache() -> None:
-    blocks = [torch.full((n,), float("nan"), device="cuda") for n in [1 << 28] + [1 << 16] * 256]
-    del blocks
 
 
 def _relerr(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -33,7 +29,7 @@ def test_gpu_grouped_mm_matches_a_float64_loop(compiled):
     ends = torch.tensor(counts, device="cuda").cumsum(0, dtype=torch.int32)
     xb = x.bfloat16().requires_grad_()
     fn = torch.compile(grouped_mm, fullgraph=True) if compiled else grouped_mm
-    _poison_cuda_cache()
+    poison_cuda_cache()
     with torch.autocast("cuda", dtype=torch.bfloat16):
         y = fn(xb, w, ends)
     y.backward(grad.bfloat16())

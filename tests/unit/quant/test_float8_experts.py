@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from dist_utils import run_distributed
 from float8_utils import TORCHAO_ERROR, needs_torchao
+from gpu_utils import poison_cuda_cache
 
 from torchtitan_ext.config.job_config import Float8Section, JobConfig
 from torchtitan_ext.errors import ConfigError
@@ -368,13 +369,6 @@ def _cuda_rows(counts: list[int], dim: int = 512) -> torch.Tensor:
     return torch.randn(sum(counts), dim, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
 
 
-def _poison_cuda_cache() -> None:
-    """Leave NaN in the caching allocator's free blocks, as a training step leaves old values: an output block
-    that a kernel never wrote (say, an empty group's weight gradient) would then read as NaN."""
-    blocks = [torch.full((n,), float("nan"), device="cuda") for n in [1 << 28] + [1 << 16] * 256]
-    del blocks
-
-
 def _relerr(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
@@ -395,7 +389,7 @@ def test_gpu_kernel_matches_emulation_and_tracks_bf16(compiled):
             torch._dynamo.reset()
             fn = torch.compile(m, fullgraph=True)
         x = _cuda_rows(counts).requires_grad_()
-        _poison_cuda_cache()
+        poison_cuda_cache()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             y = fn(x.bfloat16(), torch.tensor(counts, device="cuda"))
         y.float().square().sum().backward()
