@@ -13,6 +13,8 @@
 #        VOCAB (the flavor's 128256: the model's vocabulary, e.g. 128512 = 251 x 512 so that a blockwise
 #        output head can convert); a variant RECIPE_head (e.g. blockwise_head) runs the output head in
 #        float8 too (float8.filter_fqns = [])
+#        EXTRA (trainer overrides added to every run, e.g. EXTRA="--activation_checkpoint.mode selective
+#        --activation_checkpoint.selective_every 0")
 #   --smoke: the debug flavor on CPU in a minute, to check the script; the float8 runs must then be
 #            refused with the one-line error (no FP8 on CPU), which the table shows.
 # torchao comes from the wheel carried in .whl/ (the GPU machine has no package index).
@@ -46,6 +48,7 @@ fi
 read -ra VARIANTS <<< "${VARIANTS:-bf16 tensorwise rowwise blockwise}"
 read -ra LOSS_VARIANTS <<< "${LOSS_VARIANTS:-bf16 blockwise}"
 read -ra SEEDS <<< "${SEEDS:-0}"
+read -ra EXTRA_ARGS <<< "${EXTRA:-}"
 flags() {  # the float8 overrides of a variant; RECIPE_head: the output head in float8 too
     case $1 in
         bf16) echo "--float8.enabled false" ;;
@@ -59,7 +62,7 @@ run() {  # run NAME STEPS VARIANT [OVERRIDES...]: one trainer job; its wall time
     read -ra f <<< "$(flags "$variant")"  # not globbed: "[]" is a value, not a pattern
     "$PY" -m torchtitan_ext.train --config train_configs/llama3_8b_float8.toml \
         --job.dump_folder "$OUT/$name" "${SHAPE[@]}" --training.steps "$steps" \
-        --lr_scheduler.warmup_steps $(( steps / 10 )) "${f[@]}" "$@" > "$OUT/$name.log" 2>&1 \
+        --lr_scheduler.warmup_steps $(( steps / 10 )) "${f[@]}" "${EXTRA_ARGS[@]}" "$@" > "$OUT/$name.log" 2>&1 \
         || { echo "run $name failed:"; grep -v "Failed to load" "$OUT/$name.log" | tail -n 5; }
     echo $(( SECONDS - t0 )) > "$OUT/$name.seconds"
 }
