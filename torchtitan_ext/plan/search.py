@@ -21,6 +21,9 @@ Step time of one optimizer step (the global batch) on every GPU:
               the blocks' dense linears (and the head with ``float8.include_output``) run FLOAT8_GEMM_SPEEDUP
               times faster (their share of the FLOPs: 6 x their parameters per token); attention and the
               rest do not.
+              Compiled float8 tensorwise blocks without activation checkpointing add FLOAT8_NO_AC_FUSION x
+              compute: Inductor fuses each attention norm's backward with transposed float8 casts into one slow
+              kernel there (torch 2.11; benchmarks/RESULTS.md, "Float8 without activation checkpointing").
   recompute = full AC: compute / 3 (the forward again: 2 of the 6 FLOPs per parameter and token); op-level
               selective: SELECTIVE_RECOMPUTE x compute (pointwise ops only: 1b lost 3% with it in RESULTS.md,
               issue 16); selective every N blocks: compute / (3 N).
@@ -66,6 +69,12 @@ PP_PASS_OVERHEAD = 0.003
 # same figure gives 1.26x / 1.30x for llama3_8b FSDP 4 and the 7b-shaped FSDP 2 rows, measured 1.23x / 1.27x.
 # rowwise: the plain script's 1.13x on the same shape (gpu-facts). Other recipes: not measured, no gain.
 FLOAT8_GEMM_SPEEDUP = {"tensorwise": 1.40, "rowwise": 1.17}
+# What compiled float8 tensorwise blocks without activation checkpointing add to the compute: one Inductor kernel
+# (a norm's backward fused with three transposed float8 casts) took 1.9 ms a block of llama3_8b at 8,192 tokens.
+# Measured, such steps were 3.1-3.4% slower than with op-level selective AC (one H200, 8 layers, two calls) and
+# 3.7% (FSDP 4 on 4 H200s), where the selective AC step is modelled as SELECTIVE_RECOMPUTE = 3% over the compute:
+# 1.034 x 1.03 - 1 = 0.065.
+FLOAT8_NO_AC_FUSION = 0.065
 # HBM bytes per parameter of one optimizer step: fused AdamW reads the fp32 parameter, gradient and two moments
 # and writes three (28 bytes); the gradient norm reads the gradient again and clipping rewrites it (12). The
 # Zen-shaped MoDE on one H200 (4.66e9 parameters, 2026-11-28 profile) spent 50.4 ms per step in these kernels:
@@ -152,6 +161,8 @@ def step_time(cfg: JobConfig, p: Plan, hw: Hardware) -> StepTime:
         groups = param_groups(a)
         share = 6 * (groups["matrices"] + (groups["head"] if cfg.float8.include_output else 0)) / per_token
         compute *= 1 - share + share / speedup
+        if cfg.float8.recipe == "tensorwise" and t.compile and ac.mode == "none":
+            compute *= 1 + FLOAT8_NO_AC_FUSION
     if ac.mode == "full":
         recompute = compute / 3
     elif ac.mode == "selective":
