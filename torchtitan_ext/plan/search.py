@@ -71,7 +71,7 @@ PP_PASS_OVERHEAD = 0.003
 FLOAT8_GEMM_SPEEDUP = {"tensorwise": 1.40, "rowwise": 1.17}
 # What compiled float8 tensorwise blocks without activation checkpointing add to the compute: one Inductor kernel
 # (a norm's backward fused with three transposed float8 casts) took 1.9 ms a block of llama3_8b at 8,192 tokens.
-# Measured, such steps were 3.1-3.4% slower than with op-level selective AC (one H200, 8 layers, two calls) and
+# Measured, such steps were 3.0-3.3% slower than with op-level selective AC (one H200, 8 layers, two calls) and
 # 3.7% (FSDP 4 on 4 H200s), where the selective AC step is modelled as SELECTIVE_RECOMPUTE = 3% over the compute:
 # 1.034 x 1.03 - 1 = 0.065.
 FLOAT8_NO_AC_FUSION = 0.065
