@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_measured_rows import EIGHT_B, F8_FSDP
 
 from torchtitan_ext.config.loader import parse_args
 from torchtitan_ext.models.decoder import Decoder
@@ -193,10 +194,6 @@ def test_float8_without_activation_checkpointing_pays_its_fused_kernel():
     (benchmarks/RESULTS.md): on 4 H200s the search now picks op-level selective AC for llama3_8b in float8, the
     measured best (11,730 against 11,293 tokens/s per GPU without AC), and still no AC in bf16 (9,562 against
     9,517: level)."""
-    eight_b = ["--data.tokenizer", "byte", "--model.flavor", "llama3_8b", "--training.seq_len", "8192",
-               "--training.compile", "true", "--parallelism.dp_shard", "4", "--training.local_batch_size", "1"]
-    float8 = ["--float8.enabled", "true", "--float8.recipe", "tensorwise", "--float8.enable_fsdp_float8_all_gather",
-              "true", "--float8.precompute_float8_dynamic_scale_for_fsdp", "true"]
-    for argv, ac in ((eight_b + float8, "selective"), (eight_b, "none")):
-        best = search(parse_args(argv), 4, 139 * GIB).ranked[0]
+    for argv, ac in ((EIGHT_B + F8_FSDP, "selective"), (EIGHT_B, "none")):  # the measured rows' arguments
+        best = search(parse_args(argv.split()), 4, 139 * GIB).ranked[0]
         assert (best.plan.dims.dp_shard, best.cfg.activation_checkpoint.mode) == (4, ac), best.overrides()
