@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from torchtitan_ext.config.job_config import OptimizerSection
+from torchtitan_ext.errors import ConfigError
 from torchtitan_ext.models.args import ModelArgs
 from torchtitan_ext.models.decoder import is_hidden_matrix
 from torchtitan_ext.parallel.compile import clean_fqn
@@ -64,13 +65,28 @@ def param_groups(model: nn.Module, weight_decay: float, args: ModelArgs | None, 
             for (decay, _), params in groups.items()]
 
 
+def adamw(groups: list[dict], cfg: OptimizerSection) -> torch.optim.AdamW:
+    """torch's fused AdamW (CUDA and CPU both have the kernel), its foreach form when not ``fused``, or
+    ``TritonAdamW`` (the same optimizer with a streaming kernel for large CUDA parameters)."""
+    kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    if cfg.adamw_kernel == "triton" and not cfg.fused:
+        raise ConfigError("optimizer.adamw_kernel = 'triton' needs optimizer.fused = true (it keeps the fused "
+                          "kernel's device-side clipping and skip)")
+    if cfg.adamw_kernel == "triton":
+        try:
+            from torchtitan_ext.train.triton_adamw import TritonAdamW
+        except ImportError as e:
+            raise ConfigError(f"optimizer.adamw_kernel = 'triton' needs triton (pip install "
+                              f"'torchtitan_ext[gpu]'): {e}") from None
+        return TritonAdamW(groups, **kwargs)
+    return torch.optim.AdamW(groups, fused=cfg.fused, foreach=None if cfg.fused else True, **kwargs)
+
+
 def build_part_optimizers(model: nn.Module, cfg: OptimizerSection, args: ModelArgs | None = None
                           ) -> list[torch.optim.Optimizer]:
     """AdamW alone, or Muon on the blocks' matrices plus AdamW on the rest, at the same learning rate."""
     groups = param_groups(model, cfg.weight_decay, args, muon=cfg.name == "muon")
-    opts: list[torch.optim.Optimizer] = [
-        torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=cfg.fused,
-                          foreach=None if cfg.fused else True)]  # CUDA and CPU both have the fused kernel
+    opts: list[torch.optim.Optimizer] = [adamw(groups, cfg)]
     if cfg.name == "muon":
         matrices = [p for n, p in model.named_parameters() if p.requires_grad and is_muon_param(n, p)]
         opts.append(Muon(matrices, lr=cfg.lr, momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov,

@@ -1,0 +1,90 @@
+"""AdamW's step alone on one GPU: torch's fused kernel against ``TritonAdamW`` (``train/triton_adamw.py``)
+over the parameters of a bench model, with the trainer's device-side clip factor and skip flag.
+``python benchmarks/bench_adamw.py [--experts 16] [--layers 8] [--steps 20]``
+
+The default model is one EP 4 rank of ``bench_mode_scale.sh`` (d 2048, 8 layers, 16 of the 64 experts,
+vocabulary 32000): every parameter float32 with a float32 gradient, as FSDP leaves them. Prints one JSON
+line per variant: ms per step (CUDA events, after 3 warm-up steps), bytes moved at 28 per parameter and the
+bandwidth that makes, and the largest difference from torch's update after one step from the same state.
+The ``blockN`` variants run the kernel alone over the parameters at other block sizes. Speed claims for
+training go through ``python -m torchtitan_ext.train``; this isolates the optimizer's share of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from torchtitan_ext.models.args import ModelArgs
+from torchtitan_ext.models.decoder import Decoder
+from torchtitan_ext.train.triton_adamw import TritonAdamW, adamw_update_
+
+
+def parameters(opts: argparse.Namespace) -> list[torch.nn.Parameter]:
+    args = ModelArgs(dim=2048, n_heads=16, n_kv_heads=8, n_layers=opts.layers, n_experts=opts.experts, top_k=2,
+                     moe_hidden=1408, vocab_size=32000, max_seq_len=2048)
+    with torch.device("meta"):
+        shapes = [p.shape for p in Decoder(args).parameters()]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    params = []
+    for shape in shapes:
+        p = torch.nn.Parameter(torch.randn(shape, device="cuda", generator=gen) * 0.02)
+        p.grad = torch.randn(shape, device="cuda", generator=gen)
+        params.append(p)
+    return params
+
+
+def timed(step, steps: int) -> float:
+    for _ in range(3):
+        step()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(steps):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--experts", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=20)
+    opts = parser.parse_args()
+    params = parameters(opts)
+    numel = sum(p.numel() for p in params)
+    scale, skip = torch.tensor(1.5, device="cuda"), torch.zeros((), device="cuda")
+    start = [p.detach().clone() for p in params]
+    updates = {}
+    for name, cls in (("torch_fused", torch.optim.AdamW), ("triton", TritonAdamW)):
+        for p, p0 in zip(params, start, strict=True):
+            p.data.copy_(p0)
+        opt = cls([{"params": params, "weight_decay": 0.1}], lr=1e-4, betas=(0.9, 0.95), fused=True) \
+            if cls is torch.optim.AdamW else cls([{"params": params, "weight_decay": 0.1}], lr=1e-4, betas=(0.9, 0.95))
+        opt.grad_scale, opt.found_inf = scale, skip
+        opt.step()
+        updates[name] = [p.detach() - p0 for p, p0 in zip(params, start, strict=True)]
+        ms = timed(opt.step, opts.steps)
+        diff = max(((a - b).abs().max() / b.abs().max()).item()
+                   for a, b in zip(updates[name], updates["torch_fused"], strict=True))
+        print(json.dumps({"variant": name, "params": numel, "tensors": len(params), "ms": round(ms, 3),
+                          "gb": round(28 * numel / 1e9, 2), "tb_per_s": round(28 * numel / ms / 1e9, 2),
+                          "max_rel_diff_vs_torch": diff}), flush=True)
+        state = [(opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"], opt.state[p]["step"]) for p in params]
+        del opt
+    for block in (1024, 2048, 4096, 8192):
+        def kernel_only(block=block):
+            for p, (m, v, step) in zip(params, state, strict=True):
+                adamw_update_(p.data, p.grad, m, v, step, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8,
+                              weight_decay=0.1, grad_scale=scale, found_inf=skip, block=block)
+        ms = timed(kernel_only, opts.steps)
+        print(json.dumps({"variant": f"block{block}", "ms": round(ms, 3),
+                          "tb_per_s": round(28 * numel / ms / 1e9, 2)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""``TritonAdamW`` (``train/triton_adamw.py``): on CPU under TRITON_INTERPRET=1 its kernel steps like torch's
+AdamW (updates and moments within float32 rounding, over steps with clipping, a skipped non-finite step and
+two param groups), its state dict continues in torch's AdamW exactly, and the config key picks it or fails
+in one line; on a GPU the same against torch's fused kernel."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+TESTS = Path(__file__).resolve().parent
+LR, BETAS, EPS, DECAY = 1e-2, (0.9, 0.95), 1e-8, 0.1
+SHAPES = [(64, 48), (3000,), (7, 5)]  # above and below min_numel (256), one not a multiple of the block
+
+
+def make_params(device: str) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(*s, generator=gen).to(device)) for s in SHAPES]
+
+
+def run_steps(opt: torch.optim.AdamW, params: list[torch.Tensor], steps: range) -> None:
+    """Steps with gradients seeded by the step: step 2 clipped by 4, step 3 skipped as non-finite."""
+    for step in steps:
+        gen = torch.Generator().manual_seed(100 + step)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(p.device) * (1 + step)
+        opt.grad_scale = torch.tensor(4.0, device=params[0].device) if step == 2 else None
+        opt.found_inf = torch.tensor(float(step == 3), device=params[0].device)
+        opt.step()
+    opt.grad_scale = opt.found_inf = None
+
+
+def build(kind: str, params: list[torch.Tensor], device: str) -> torch.optim.AdamW:
+    groups = [{"params": params[:2], "weight_decay": DECAY}, {"params": params[2:], "weight_decay": 0.0}]
+    if kind == "triton":
+        from torchtitan_ext.train.triton_adamw import TritonAdamW
+
+        return TritonAdamW(groups, lr=LR, betas=BETAS, eps=EPS, min_numel=256, kernel_on_cpu=device == "cpu")
+    return torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, fused=True)
+
+
+def check_steps(device: str = "cpu") -> None:
+    """Run in a fresh process with TRITON_INTERPRET=1 on CPU (triton reads it when kernels are decorated)."""
+    start = make_params(device)
+    mine, ref = make_params(device), make_params(device)
+    opt_mine, opt_ref = build("triton", mine, device), build("torch", ref, device)
+    run_steps(opt_mine, mine, range(1, 6))
+    run_steps(opt_ref, ref, range(1, 6))
+    for p0, p, q in zip(start, mine, ref, strict=True):
+        assert not torch.equal(p, p0)
+        # the updates (about 0.05) within a few float32 ulps of the weights (|w| < 5: ulp <= 4.8e-7)
+        torch.testing.assert_close(p - p0, q - p0, rtol=1e-5, atol=1e-6)
+        for key in ("exp_avg", "exp_avg_sq"):  # within float32 rounding of the moments' scale
+            got, want = opt_mine.state[p][key], opt_ref.state[q][key]
+            assert (got - want).abs().max() <= 1e-6 * want.abs().max(), key
+        assert opt_mine.state[p]["step"].item() == opt_ref.state[q]["step"].item() == 4  # step 3 skipped
+    # the skipped step changed nothing: rerun steps 1-3 and compare with steps 1-2
+    again = make_params(device)
+    opt_again = build("triton", again, device)
+    run_steps(opt_again, again, range(1, 3))
+    before = [p.detach().clone() for p in again] + [opt_again.state[p]["exp_avg"].clone() for p in again]
+    run_steps(opt_again, again, range(3, 4))
+    after = [p.detach() for p in again] + [opt_again.state[p]["exp_avg"] for p in again]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    # the state dict moves to torch's AdamW and continues exactly as the kernel continues
+    resumed = [torch.nn.Parameter(p.detach().clone()) for p in mine]
+    opt_resumed = build("torch", resumed, device)
+    opt_resumed.load_state_dict(copy.deepcopy(opt_mine.state_dict()))  # as saved: no tensor shared
+    run_steps(opt_mine, mine, range(6, 8))
+    run_steps(opt_resumed, resumed, range(6, 8))
+    for p, q in zip(mine, resumed, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_kernel_steps_like_torch_adamw_on_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", "import test_triton_adamw as t; t.check_steps()"], cwd=TESTS,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def test_config_picks_the_kernel_or_fails_in_one_line():
+    from torchtitan_ext.config.job_config import OptimizerSection
+    from torchtitan_ext.errors import ConfigError
+    from torchtitan_ext.train.optim import adamw
+
+    groups = [{"params": [torch.nn.Parameter(torch.ones(3))]}]
+    assert type(adamw(groups, OptimizerSection())) is torch.optim.AdamW
+    assert type(adamw(groups, OptimizerSection(adamw_kernel="triton"))).__name__ == "TritonAdamW"
+    with pytest.raises(ConfigError, match="optimizer.adamw_kernel = 'triton' needs optimizer.fused = true"):
+        adamw(groups, OptimizerSection(adamw_kernel="triton", fused=False))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_kernel_steps_like_torch_fused_adamw():
+    check_steps("cuda")
