@@ -13,6 +13,8 @@ needs no host read of the gradient norm and the GPU never waits for the host bet
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (
@@ -65,14 +67,21 @@ def param_groups(model: nn.Module, weight_decay: float, args: ModelArgs | None, 
             for (decay, _), params in groups.items()]
 
 
-def adamw(groups: list[dict], cfg: OptimizerSection) -> torch.optim.AdamW:
-    """torch's fused AdamW (CUDA and CPU both have the kernel), its foreach form when not ``fused``, or
-    ``TritonAdamW`` (the same optimizer with a streaming kernel for large CUDA parameters)."""
-    kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+def _wants_triton(groups: list[dict], cfg: OptimizerSection) -> bool:
     if cfg.adamw_kernel == "triton" and not cfg.fused:
         raise ConfigError("optimizer.adamw_kernel = 'triton' needs optimizer.fused = true (it keeps the fused "
                           "kernel's device-side clipping and skip)")
-    if cfg.adamw_kernel == "triton":
+    if cfg.adamw_kernel == "auto":
+        on_gpu = any(p.is_cuda for group in groups for p in group["params"])
+        return cfg.fused and on_gpu and importlib.util.find_spec("triton") is not None
+    return cfg.adamw_kernel == "triton"
+
+
+def adamw(groups: list[dict], cfg: OptimizerSection) -> torch.optim.AdamW:
+    """torch's fused AdamW (CUDA and CPU both have the kernel), its foreach form when not ``fused``, or
+    ``TritonAdamW`` (the same optimizer and state with a streaming kernel for large CUDA parameters)."""
+    kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    if _wants_triton(groups, cfg):
         try:
             from torchtitan_ext.train.triton_adamw import TritonAdamW
         except ImportError as e:

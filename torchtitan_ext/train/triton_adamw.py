@@ -8,8 +8,10 @@ models hold many parameters for few active ones, so the optimizer is a large fix
 ``TritonAdamW`` is ``torch.optim.AdamW`` (same arguments, param groups and state: ``step``, ``exp_avg``,
 ``exp_avg_sq``, so checkpoints move freely between the two) whose ``step`` runs the kernel on every CUDA
 parameter of at least ``MIN_NUMEL`` elements and torch's fused kernel on the rest (small tensors are
-launch-bound). It keeps the fused kernel's device-side clipping and skip: ``grad_scale`` divides the
-gradients, ``found_inf`` (1.0) leaves parameters, moments and step counts unchanged, with no host read.
+launch-bound), and on tensor subclasses (float8 weights: their storage is not theirs to stream). It keeps
+the fused kernel's device-side clipping and skip: ``grad_scale`` divides the gradients, ``found_inf`` (1.0)
+leaves parameters, moments and step counts unchanged, with no host read. Unlike torch's kernel it does not
+write the divided gradients back (4 bytes a parameter saved); nothing reads them after the step.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import triton.language as tl
 from torch.distributed.tensor import DTensor
 
 MIN_NUMEL = 1 << 20  # smaller tensors go to torch's fused kernel: one launch for all of them
-BLOCK = 4096
+BLOCK = 1024  # elements per program: 4.1 TB/s on an H200 against 3.98 at 4096 (bench_adamw.py)
 
 
 @triton.jit
@@ -77,8 +79,10 @@ class TritonAdamW(torch.optim.AdamW):
         local = _local(p)
         if p.grad is None or local.numel() < self.min_numel or local.dtype != torch.float32:
             return False
-        return (local.is_contiguous() and _local(p.grad).is_contiguous()
-                and (local.is_cuda or self.kernel_on_cpu))
+        grad = _local(p.grad)
+        plain = (torch.Tensor, torch.nn.Parameter)
+        return (type(local) in plain and type(grad) in plain and local.is_contiguous()
+                and grad.is_contiguous() and (local.is_cuda or self.kernel_on_cpu))
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -50,7 +50,9 @@ def check_steps(device: str = "cpu") -> None:
     start = make_params(device)
     mine, ref = make_params(device), make_params(device)
     opt_mine, opt_ref = build("triton", mine, device), build("torch", ref, device)
-    run_steps(opt_mine, mine, range(1, 6))
+    run_steps(opt_mine, mine, range(1, 2))
+    assert [opt_mine._streams(p) for p in mine] == [True, True, False]  # the kernel takes the large ones
+    run_steps(opt_mine, mine, range(2, 6))
     run_steps(opt_ref, ref, range(1, 6))
     for p0, p, q in zip(start, mine, ref, strict=True):
         assert not torch.equal(p, p0)
@@ -91,8 +93,11 @@ def test_config_picks_the_kernel_or_fails_in_one_line():
     from torchtitan_ext.train.optim import adamw
 
     groups = [{"params": [torch.nn.Parameter(torch.ones(3))]}]
-    assert type(adamw(groups, OptimizerSection())) is torch.optim.AdamW
+    assert type(adamw(groups, OptimizerSection())) is torch.optim.AdamW  # auto: CPU parameters
     assert type(adamw(groups, OptimizerSection(adamw_kernel="triton"))).__name__ == "TritonAdamW"
+    if torch.cuda.is_available():
+        on_gpu = [{"params": [torch.nn.Parameter(torch.ones(3, device="cuda"))]}]
+        assert type(adamw(on_gpu, OptimizerSection())).__name__ == "TritonAdamW"
     with pytest.raises(ConfigError, match="optimizer.adamw_kernel = 'triton' needs optimizer.fused = true"):
         adamw(groups, OptimizerSection(adamw_kernel="triton", fused=False))
 
@@ -101,3 +106,45 @@ def test_config_picks_the_kernel_or_fails_in_one_line():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_kernel_steps_like_torch_fused_adamw():
     check_steps("cuda")
+
+
+def _fsdp_steps(rank: int, world: int) -> dict[str, torch.Tensor]:
+    """Three steps of a sharded model (uneven shards) with the kernel on its local shards, beside an unsharded
+    copy stepped by torch's AdamW; every rank sees the same batch, so the averaged gradients are the copy's."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from torchtitan_ext.train.triton_adamw import TritonAdamW
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 41), torch.nn.Tanh(), torch.nn.Linear(41, 5))
+    reference = copy.deepcopy(model)
+    fully_shard(model)
+    opt = TritonAdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=DECAY, min_numel=16,
+                      kernel_on_cpu=True)
+    opt_ref = torch.optim.AdamW(reference.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=DECAY)
+    for step in range(3):
+        x = torch.randn(8, 24, generator=torch.Generator().manual_seed(step))
+        for net, o in ((model, opt), (reference, opt_ref)):
+            net(x).square().mean().backward()
+            if o is opt:
+                o.grad_scale, o.found_inf = torch.tensor(2.0), torch.tensor(0.0)
+                assert all(isinstance(p, DTensor) for p in net.parameters())
+                # the kernel takes every shard but the last bias's (3 or 2 elements, below min_numel)
+                assert [o._streams(p) for p in net.parameters()] == [True, True, True, False]
+            else:
+                for p in net.parameters():
+                    p.grad /= 2.0
+            o.step()
+            o.zero_grad()
+    return {n: (p.full_tensor(), dict(reference.named_parameters())[n].detach())
+            for n, p in model.named_parameters()}
+
+
+def test_kernel_steps_fsdp_shards_like_torch_adamw_on_the_interpreter(monkeypatch):
+    from dist_utils import run_distributed
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the spawned ranks import triton afresh
+    for result in run_distributed(_fsdp_steps, 2):
+        for name, (got, want) in result.items():
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
