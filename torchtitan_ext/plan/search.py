@@ -75,11 +75,13 @@ FLOAT8_GEMM_SPEEDUP = {"tensorwise": 1.40, "rowwise": 1.17}
 # 3.7% (FSDP 4 on 4 H200s), where the selective AC step is modelled as SELECTIVE_RECOMPUTE = 3% over the compute:
 # 1.034 x 1.03 - 1 = 0.065.
 FLOAT8_NO_AC_FUSION = 0.065
-# HBM bytes per parameter of one optimizer step: fused AdamW reads the fp32 parameter, gradient and two moments
-# and writes three (28 bytes); the gradient norm reads the gradient again and clipping rewrites it (12). The
-# Zen-shaped MoDE on one H200 (4.66e9 parameters, 2026-11-28 profile) spent 50.4 ms per step in these kernels:
-# 40 bytes per parameter at 3.7 TB/s, 78% of the H200's 4.8 TB/s.
-OPTIMIZER_BYTES_PER_PARAM = 40
+# HBM bytes per parameter of one optimizer step, by ``optimizer.adamw_kernel`` (auto: triton on a GPU), at the
+# achieved ``memory_bw``. torch's fused AdamW reads the fp32 parameter, gradient and two moments and writes three
+# (28 bytes); the gradient norm reads the gradient again and clipping rewrites it (12). The Zen-shaped MoDE on one
+# H200 (4.66e9 parameters, 2026-11-28 profile) spent 50.4 ms per step in these kernels: 40 bytes per parameter at
+# 3.7 TB/s, 78% of the H200's 4.8 TB/s. ``TritonAdamW`` moves the same 28 bytes in 31.2 ms instead of 43.9 for
+# those parameters (benchmarks/bench_adamw.py, one H200, 2026-11-29): 30 bytes at the same rate.
+OPTIMIZER_BYTES_PER_PARAM = {"torch": 40, "triton": 30}
 MICRO_SEQUENCES = (1, 2, 4, 8)  # sequences per pipeline micro-batch tried
 DATA_PARALLEL_DIMS = ("dp_shard", "dp_replicate", "dp")
 AC_MODES = ("none", "selective", "full")
@@ -186,7 +188,8 @@ def step_time(cfg: JobConfig, p: Plan, hw: Hardware) -> StepTime:
     if data_parallel:
         exposed = max(FSDP_EXPOSED * data_parallel, data_parallel - compute - recompute) / data_parallel
         seconds = {k: v * exposed if k in DATA_PARALLEL_DIMS else v for k, v in seconds.items()}
-    optimizer = p.memory[PARAMS] / F32 * OPTIMIZER_BYTES_PER_PARAM / hw.memory_bw
+    kernel = "torch" if cfg.optimizer.adamw_kernel == "torch" or not cfg.optimizer.fused else "triton"
+    optimizer = p.memory[PARAMS] / F32 * OPTIMIZER_BYTES_PER_PARAM[kernel] / hw.memory_bw
     return StepTime(compute, recompute, bubble, passes, seconds, optimizer, tokens, p.world)
 
 
