@@ -148,3 +148,11 @@ def test_kernel_steps_fsdp_shards_like_torch_adamw_on_the_interpreter(monkeypatc
     for result in run_distributed(_fsdp_steps, 2):
         for name, (got, want) in result.items():
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_unsupported_options_fail_at_construction():
+    from torchtitan_ext.train.triton_adamw import TritonAdamW
+
+    for option in ("amsgrad", "maximize"):
+        with pytest.raises(ValueError, match="amsgrad and maximize are not supported"):
+            TritonAdamW([torch.nn.Parameter(torch.ones(3))], **{option: True})
