@@ -11,11 +11,11 @@ from trainer_utils import losses, run_trainer
 
 
 def test_profiler_trace_holds_only_the_steps_asked_for(tmp_path):
-    """Two ranks (FSDP): one trace per rank."""
+    """Two ranks (FSDP): one trace per rank, with the Python stacks asked for."""
     dump = tmp_path / "prof"
     proc = run_trainer(dump, 2, "--training.steps", "5", "--profiling.enabled", "true",
                        "--profiling.start_step", "2", "--profiling.end_step", "3",
-                       "--profiling.memory_snapshot", "true")
+                       "--profiling.memory_snapshot", "true", "--profiling.with_stack", "true")
     warnings = [line for line in proc.stdout.splitlines() if "profiling.memory_snapshot skipped" in line]
     assert len(warnings) == 1  # CPU: one line (rank 0), the traces still written
     traces = sorted((dump / "profile").iterdir())
@@ -25,6 +25,7 @@ def test_profiler_trace_holds_only_the_steps_asked_for(tmp_path):
         steps = {int(m.group(1)) for e in events if (m := re.fullmatch(r"ProfilerStep#(\d+)", e.get("name", "")))}
         assert steps == {2, 3}
         assert any(e.get("name", "").startswith("aten::mm") for e in events)  # the steps' work is in it
+        assert any(e.get("cat") == "python_function" and "trainer.py" in e["name"] for e in events)  # with_stack
     assert len(losses(dump)) == 5
 
 

@@ -328,6 +328,8 @@ class ProfilingSection:
     end_step: int = opt(4, "last profiled step (>= start_step)", min=1)
     memory_snapshot: bool = opt(False, "also a CUDA memory snapshot (pickle for pytorch.org/memory_viz) of those "
                                 "steps; GPU only")
+    with_stack: bool = opt(False, "record the Python stack of every op (larger traces; benchmarks/trace_gaps.py "
+                           "charges the GPU's idle time to them)")
     folder: str = opt("profile", "sub-folder of job.dump_folder")
 
 

@@ -45,7 +45,8 @@ class Profiling:
         self._end_range()
         if step == self.cfg.start_step and self.prof is None:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-            self.prof = profile(activities=activities, record_shapes=True, profile_memory=True)
+            self.prof = profile(activities=activities, record_shapes=True, profile_memory=True,
+                                with_stack=self.cfg.with_stack)
             self.prof.__enter__()
             if self.memory:
                 torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
