@@ -85,6 +85,12 @@ def _fsdp(nproc: int) -> list[str]:
     return ["--parallelism.dp_shard", str(nproc), "--training.local_batch_size", str(nu.GLOBAL_BATCH // nproc)]
 
 
+# AdamW's Triton kernel against torch's under FSDP 2: the job's blocks widened so that their FFN matrices (1024 x
+# 4096, 2.1e6 elements per rank) reach the kernel's threshold (2^20 local elements); every tensor of the tier's
+# width-512 jobs stays below it, so there the default kernel choice changes nothing.
+ADAMW_WIDE = ["--model.dim", "1024", "--model.ffn_hidden", "4096", *_fsdp(2)]
+
+
 def _resume(ckpt: Path, dump: Path, nproc: int, gpus: list[int]) -> Path:
     """The saved run's step-RESUME_STEP checkpoint in a fresh dump folder, continued to step 40 on nproc GPUs
     (one GPU: a plain data-parallel-free job)."""
@@ -130,6 +136,8 @@ def _needs(item: pytest.Item) -> set[str]:
         return {"ckpt", f"resume{params['nproc']}"}
     if name == "test_killed_rank_restarts_and_resumes":
         return {"ckpt", "killed"}
+    if name == "test_adamw_triton_kernel_matches_torch_kernel_under_fsdp":
+        return {"adamw_torch", "adamw_triton"}
     return set()
 
 
@@ -163,6 +171,8 @@ def jobs(request, tmp_path_factory) -> dict[str, Future]:
     run("other_data", 1, *nu.COMPILE, "--data.shuffle", "false")
     for name, (nproc, overrides) in LAYOUTS.items():
         run(name, nproc, *([] if name in EAGER else nu.COMPILE), *overrides)
+    for kernel in ("torch", "triton"):
+        run(f"adamw_{kernel}", 2, *nu.COMPILE, *ADAMW_WIDE, "--optimizer.adamw_kernel", kernel)
     yield futures
     pool.shutdown()
 
@@ -222,3 +232,18 @@ def test_killed_rank_restarts_and_resumes(jobs):
     assert sorted(got) == sorted(want) == list(range(1, 41))  # redone steps replaced, not duplicated
     diffs = nu.rel_diffs(want, got)
     assert max(diffs.values()) <= SAME_LAYOUT_RTOL, diffs
+
+
+@nu.needs_gpus(2)
+def test_adamw_triton_kernel_matches_torch_kernel_under_fsdp(jobs):
+    """``TritonAdamW`` on FSDP 2's sharded parameters (DTensor shards) steps like torch's fused kernel: the two
+    runs differ only by the update's float32 rounding, within the layouts' bounds; the log says which tensors
+    the kernel took (none on CPU, where the plumbing check runs torch's kernel under either name)."""
+    torch_run, triton_run = jobs["adamw_torch"].result(), jobs["adamw_triton"].result()
+    nu.assert_close_losses("adamw_triton", torch_run, triton_run, **TOL)
+    assert "optimizer: AdamW (torch's fused kernel)" in nu.log_tail(torch_run, 10**7)
+    taken = re.search(r"optimizer: TritonAdamW \(Triton kernel on (\d+) of (\d+) parameter tensors",
+                      nu.log_tail(triton_run, 10**7))
+    assert taken, nu.log_tail(triton_run)
+    assert int(taken[1]) >= (0 if nu.ON_CPU else 24), taken[0]  # on the GPUs: at least the 8 blocks x 3 FFN matrices
+

@@ -244,8 +244,10 @@ def build_training(cfg: JobConfig, runtime: Runtime, model: BuiltModel) -> Train
     if cfg.eval.use_ema and not cfg.ema.decay:
         raise ConfigError("eval.use_ema = true needs an EMA: set ema.decay (for example 0.999)")
     ema = EMA(model.parts, cfg.ema.decay, cfg.ema.every, cfg.ema.start_step) if cfg.ema.decay else None
+    optimizers = Optimizers(model.parts, cfg.optimizer, model.args)
+    log.info(optimizers.summary())
     return TrainingParts(
-        optimizers=Optimizers(model.parts, cfg.optimizer, model.args),
+        optimizers=optimizers,
         spike_guard=SpikeGuard(t.spike_factor, t.spike_window, t.spike_lr_scale, t.spike_guard),
         nonfinite=NonFiniteGuard(t.max_skipped_steps, log.info),
         ema=ema, compression=compression, comm_stats=comm_stats if compression is not None else None)

@@ -116,6 +116,20 @@ class Optimizers:
         self._lr_scales = {id(p): lr_scale(args, name, p, muon and is_muon_param(name, p))
                            for m in parts for name, p in m.named_parameters()}  # by id: groups share parameters
 
+    def summary(self) -> str:
+        """One line for the log: each optimizer and, for ``TritonAdamW``, the parameter tensors its kernel takes."""
+        parts = []
+        for opt in self.optimizers:
+            params = [p for group in opt.param_groups for p in group["params"]]
+            name = type(opt).__name__
+            if hasattr(opt, "takes"):
+                name += (f" (Triton kernel on {sum(map(opt.takes, params))} of {len(params)} parameter tensors, "
+                         f"the local ones of >= {opt.min_numel:,} elements)")
+            elif isinstance(opt, torch.optim.AdamW):
+                name += " (torch's fused kernel)" if opt.defaults["fused"] else " (torch's foreach kernel)"
+            parts.append(name)
+        return "optimizer: " + " + ".join(parts)
+
     def set_lr(self, lr: float) -> None:
         """Every group's lr: ``lr`` times the group's multiplier (all of a group's parameters share it)."""
         for opt in self.optimizers:

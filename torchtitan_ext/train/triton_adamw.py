@@ -62,6 +62,9 @@ def adamw_update_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Te
                         HAS_SCALE=grad_scale is not None, BLOCK=block, num_warps=8)
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # not a tensor subclass holding its data elsewhere
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard, without ``to_local``'s autograd wrapper (tens of microseconds a call, paid for
     every parameter, gradient and moment at every step)."""
@@ -79,14 +82,17 @@ class TritonAdamW(torch.optim.AdamW):
             raise ValueError("TritonAdamW: amsgrad and maximize are not supported")
         self.min_numel, self.kernel_on_cpu = min_numel, kernel_on_cpu
 
-    def _streams(self, p: torch.Tensor) -> bool:
+    def takes(self, p: torch.Tensor) -> bool:
+        """Whether the kernel updates ``p`` (when it has a plain contiguous gradient)."""
         local = _local(p)
-        if p.grad is None or local.numel() < self.min_numel or local.dtype != torch.float32:
+        return (local.numel() >= self.min_numel and local.dtype == torch.float32 and type(local) in _PLAIN
+                and local.is_contiguous() and (local.is_cuda or self.kernel_on_cpu))
+
+    def _streams(self, p: torch.Tensor) -> bool:
+        if p.grad is None or not self.takes(p):
             return False
         grad = _local(p.grad)
-        plain = (torch.Tensor, torch.nn.Parameter)
-        return (type(local) in plain and type(grad) in plain and local.is_contiguous()
-                and grad.is_contiguous() and (local.is_cuda or self.kernel_on_cpu))
+        return type(grad) in _PLAIN and grad.is_contiguous()
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -156,3 +156,15 @@ def test_unsupported_options_fail_at_construction():
     for option in ("amsgrad", "maximize"):
         with pytest.raises(ValueError, match="amsgrad and maximize are not supported"):
             TritonAdamW([torch.nn.Parameter(torch.ones(3))], **{option: True})
+
+
+def test_summary_names_the_kernel():
+    from torchtitan_ext.config.job_config import OptimizerSection
+    from torchtitan_ext.train.optim import Optimizers
+
+    model = torch.nn.Linear(4, 3)
+    assert Optimizers([model], OptimizerSection()).summary() == "optimizer: AdamW (torch's fused kernel)"
+    assert Optimizers([model], OptimizerSection(fused=False)).summary() == "optimizer: AdamW (torch's foreach kernel)"
+    assert Optimizers([model], OptimizerSection(adamw_kernel="triton")).summary() == (
+        "optimizer: TritonAdamW (Triton kernel on 0 of 2 parameter tensors, the local ones of >= 1,048,576 "
+        "elements)")  # CPU parameters: torch's kernel steps them
