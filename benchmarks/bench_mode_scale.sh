@@ -19,7 +19,11 @@
 #   EXTRA      trainer overrides added to every run of ours, e.g. EXTRA="--model.bias_update_rate 0.001", or
 #              EXTRA="--model.force_balanced_routing true" (round-robin experts: the EP path at perfect balance,
 #              apart from the router's load imbalance early in training)
-#   NPROC      processes (GPUs), default 4; NPROC=1 runs ep1 and profile1 on one GPU (tt_ep4 needs 4)
+#   NPROC      processes (GPUs), default 4; NPROC=1 runs ep1 and profile1 on one GPU (tt_ep4 needs 4). With
+#              EXTRA="--model.n_experts 16" one GPU computes what one EP 4 rank computes at perfect balance (16
+#              experts, 2,048 rows each on average, the same active FLOPs): the bound the EP 4 run's MFU has
+#              without any communication; with "--profiling.with_stack true" in EXTRA, profileN also writes
+#              gaps_epN.txt (benchmarks/trace_gaps.py: the host code running while rank 0's GPU idles)
 #   STEPS (25), COMPILE (true), LIMIT (seconds per run, default 170), DEADLINE (seconds for the whole script,
 #              default 560: a run starts only with 60 s left and is cut at the deadline, so the call returns results)
 #   --smoke    2 CPU processes with gloo and a tiny model (mode_debug's own shape, vocabulary 512, seq 64), eager;
@@ -127,6 +131,10 @@ for r in $RUNS; do
             ours "$r" "$ROOT" --parallelism.ep "$ep" --training.steps 10 --profiling.enabled true \
                 --profiling.start_step 8 --profiling.end_step 9
             "$PY" benchmarks/scale_report.py profile "$WORK/$r" "$OUT_DIR/profile_ep$ep" | tee -a "$SUMMARY"
+            if [[ " ${extra[*]} " == *" --profiling.with_stack true "* && "$SMOKE" != 1 ]]; then  # where the GPU idles
+                "$PY" benchmarks/trace_gaps.py "$(ls "$WORK/$r"/profile/rank0_*.json | head -n 1)" 20 \
+                    > "$OUT_DIR/gaps_ep$ep.txt" 2>&1
+            fi
             ;;
         *) echo "unknown run '$r': expected ep1 ep2 ep4 tt_ep4 profile profileN" ;;
     esac

@@ -39,11 +39,18 @@ def frames_at(python: list[dict], starts: list[float], t: float, depth: int) -> 
 
 
 def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1].startswith("-"):
+        sys.exit("usage: python benchmarks/trace_gaps.py TRACE.json [MIN_GAP_US]")
     path, min_gap = sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else 20.0
     events = json.load(open(path))["traceEvents"]
+    if not any(e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES for e in events):
+        sys.exit(f"error: {path}: no GPU kernel in the trace (a CPU run, or the profiler without CUDA activity)")
     idle, busy, span = gaps(events, min_gap)
     python = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "python_function"),
                     key=lambda e: e["ts"])
+    if not python:
+        print(f"note: {path} has no Python stacks (record them: --profiling.with_stack true); idle time is "
+              "charged to '(no Python frame)'")
     starts = [e["ts"] for e in python]
     by_chain: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for start, end, _ in idle:
