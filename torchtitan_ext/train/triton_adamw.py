@@ -2,7 +2,7 @@
 
 Why: torch's fused AdamW (a multi-tensor-apply kernel) moves 28 bytes per float32 parameter at about 2.9 TB/s
 on an H200, 60% of the card's bandwidth: 13 ms a step for the 1.3e9 parameters one rank of the 64-expert MoDE
-bench holds at EP 4, 14% of that step (benchmarks/RESULTS.md, "the EP 4 rank's compute on one GPU"). MoE
+bench holds at EP 4, 14% of that step (benchmarks/RESULTS.md, "One EP 4 rank's compute on one GPU"). MoE
 models hold many parameters for few active ones, so the optimizer is a large fixed share of their step.
 
 ``TritonAdamW`` is ``torch.optim.AdamW`` (same arguments, param groups and state: ``step``, ``exp_avg``,
