@@ -92,7 +92,9 @@ class TritonAdamW(torch.optim.AdamW):
         if p.grad is None or not self.takes(p):
             return False
         grad = _local(p.grad)
-        return type(grad) in _PLAIN and grad.is_contiguous()
+        moments = [_local(self.state[p][k]) for k in ("exp_avg", "exp_avg_sq")] if self.state.get(p) else []
+        return type(grad) in _PLAIN and grad.is_contiguous() and all(  # moments as loaded from a checkpoint
+            type(m) in _PLAIN and m.is_contiguous() and m.dtype == torch.float32 for m in moments)
 
     @torch.no_grad()
     def step(self, closure=None):

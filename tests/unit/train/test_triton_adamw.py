@@ -168,3 +168,15 @@ def test_summary_names_the_kernel():
     assert Optimizers([model], OptimizerSection(adamw_kernel="triton")).summary() == (
         "optimizer: TritonAdamW (Triton kernel on 0 of 2 parameter tensors, the local ones of >= 1,048,576 "
         "elements)")  # CPU parameters: torch's kernel steps them
+
+
+def test_moments_the_kernel_cannot_stream_go_to_torch():
+    """A loaded state whose moments are not contiguous float32 (a transposed copy here) stays on torch's kernel."""
+    from torchtitan_ext.train.triton_adamw import TritonAdamW
+
+    p = torch.nn.Parameter(torch.ones(32, 16))
+    p.grad = torch.ones(32, 16)
+    opt = TritonAdamW([p], min_numel=1, kernel_on_cpu=True)
+    assert opt._streams(p)
+    opt.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(16, 32).t(), "exp_avg_sq": torch.zeros(32, 16)}
+    assert not opt._streams(p)
