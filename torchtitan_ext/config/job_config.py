@@ -151,7 +151,7 @@ class OptimizerSection:
     weight_decay: float = opt(0.1, "decoupled weight decay; never on norms, biases, embeddings", min=0.0)
     fused: bool = opt(True, "fused AdamW kernel (GPU and CPU): clips and skips non-finite steps without a host read")
     adamw_kernel: str = opt("auto", "fused AdamW's kernel for large CUDA parameters: torch (multi-tensor), "
-                            "triton (one streaming kernel per parameter, 1.35x torch's on an H200; needs the gpu "
+                            "triton (one streaming kernel per parameter, 1.38-1.41x torch's on an H200; needs the gpu "
                             "extra), or auto (triton when importable and the parameters are on a GPU)",
                             choices=("auto", "torch", "triton"))
     muon_momentum: float = opt(0.95, "Muon momentum", min=0.0, max=1.0)
