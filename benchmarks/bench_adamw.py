@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 import torch
 
@@ -41,6 +42,12 @@ def fill_grads(params: list[torch.nn.Parameter]) -> None:
         p.grad = torch.randn(p.shape, device="cuda", generator=gen)
 
 
+def positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return int(text)
+
+
 def timed(step, steps: int) -> float:
     for _ in range(3):
         step()
@@ -56,10 +63,14 @@ def timed(step, steps: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--experts", type=int, default=16)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--experts", type=positive, default=16, help="MoDE experts per layer (default 16)")
+    parser.add_argument("--layers", type=positive, default=8, help="blocks (default 8)")
+    parser.add_argument("--steps", type=positive, default=20, help="timed steps per variant (default 20)")
     opts = parser.parse_args()
+    if opts.experts < 2:
+        parser.error(f"argument --experts: expected at least 2 (top-2 routing), got {opts.experts}")
+    if not torch.cuda.is_available():
+        sys.exit("error: bench_adamw.py needs a CUDA GPU (it times GPU kernels)")
     params = parameters(opts)
     numel = sum(p.numel() for p in params)
     scale, skip = torch.tensor(1.5, device="cuda"), torch.zeros((), device="cuda")

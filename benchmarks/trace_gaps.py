@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 import sys
 from collections import defaultdict
 
@@ -39,10 +40,25 @@ def frames_at(python: list[dict], starts: list[float], t: float, depth: int) -> 
 
 
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        return
     if len(sys.argv) < 2 or sys.argv[1].startswith("-"):
         sys.exit("usage: python benchmarks/trace_gaps.py TRACE.json [MIN_GAP_US]")
-    path, min_gap = sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else 20.0
-    events = json.load(open(path))["traceEvents"]
+    path = sys.argv[1]
+    try:
+        min_gap = float(sys.argv[2]) if len(sys.argv) > 2 else 20.0
+    except ValueError:
+        min_gap = math.nan
+    if not math.isfinite(min_gap) or min_gap < 0:
+        sys.exit(f"error: MIN_GAP_US = {sys.argv[2]!r}: expected a number of microseconds >= 0")
+    try:
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+        if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
+            raise TypeError("traceEvents is not a list of events")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        sys.exit(f"error: {path}: not a readable torch.profiler Chrome trace ({type(e).__name__}: {e})")
     if not any(e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES for e in events):
         sys.exit(f"error: {path}: no GPU kernel in the trace (a CPU run, or the profiler without CUDA activity)")
     idle, busy, span = gaps(events, min_gap)
