@@ -19,6 +19,7 @@ import sys
 
 import torch
 
+from torchtitan_ext.cli import positive_whole
 from torchtitan_ext.models.args import ModelArgs
 from torchtitan_ext.models.decoder import Decoder
 from torchtitan_ext.train.triton_adamw import TritonAdamW, adamw_update_
@@ -42,12 +43,6 @@ def fill_grads(params: list[torch.nn.Parameter]) -> None:
         p.grad = torch.randn(p.shape, device="cuda", generator=gen)
 
 
-def positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-    return int(text)
-
-
 def timed(step, steps: int) -> float:
     for _ in range(3):
         step()
@@ -63,9 +58,9 @@ def timed(step, steps: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--experts", type=positive, default=16, help="MoDE experts per layer (default 16)")
-    parser.add_argument("--layers", type=positive, default=8, help="blocks (default 8)")
-    parser.add_argument("--steps", type=positive, default=20, help="timed steps per variant (default 20)")
+    parser.add_argument("--experts", type=positive_whole, default=16, help="MoDE experts per layer (default 16)")
+    parser.add_argument("--layers", type=positive_whole, default=8, help="blocks (default 8)")
+    parser.add_argument("--steps", type=positive_whole, default=20, help="timed steps per variant (default 20)")
     opts = parser.parse_args()
     if opts.experts < 2:
         parser.error(f"argument --experts: expected at least 2 (top-2 routing), got {opts.experts}")
