@@ -14,7 +14,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
-from torchtitan_ext.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_STOPPED, EXIT_USER, RunStopped, UserError
+from torchtitan_ext.errors import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_OUT_OF_MEMORY,
+    EXIT_STOPPED,
+    EXIT_USER,
+    OutOfDeviceMemory,
+    RunStopped,
+    UserError,
+)
 
 
 class _CurrentStream(logging.StreamHandler):
@@ -171,6 +181,11 @@ def run_tool(main: Callable[[list[str]], int | None], argv: list[str] | None = N
     except (UserError, FileNotFoundError, NotADirectoryError, argparse.ArgumentError, RunStopped) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_STOPPED if isinstance(e, RunStopped) else EXIT_USER
+    except OutOfDeviceMemory as e:  # one rank's: the others may wait in a collective it will never join
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            exit_now(EXIT_OUT_OF_MEMORY)
+        return EXIT_OUT_OF_MEMORY
     except OSError as e:  # a full disk, a read-only or forbidden path: the path and the system's reason
         where = f"{e.filename}: " if e.filename else ""
         print(f"error: {where}{e.strerror or e}", file=sys.stderr, flush=True)

@@ -12,6 +12,7 @@ EXIT_OK = 0  # done, or stopped by a preemption signal (after saving, or before 
 EXIT_FAILED = 1  # an unexpected exception on one rank of a multi-process job: its traceback, then at once
 EXIT_USER = 2  # a UserError: one line
 EXIT_STOPPED = 3  # a RunStopped: the run protected its checkpoints
+EXIT_OUT_OF_MEMORY = 4  # an OutOfDeviceMemory: one line (where, the peak, the plan, what would fit)
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # a second Ctrl-C (or one before the tool took the signal over): at once
 
 
@@ -21,6 +22,11 @@ class UserError(ValueError):
 
 class RunStopped(RuntimeError):
     """The run stopped itself to protect its checkpoints (a NaN loss, non-finite gradients). Exit code 3."""
+
+
+class OutOfDeviceMemory(RuntimeError):
+    """The accelerator ran out of memory; the message is one line saying where and what would fit. Nothing
+    saved is touched. Exit code 4."""
 
 
 class ConfigError(UserError):

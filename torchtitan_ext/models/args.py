@@ -12,6 +12,7 @@ class ComputeOptions:
     fused_activation: bool = False  # Triton SwiGLU / squared ReLU (training.kernels)
     attention_z_reg: float = 0.0  # attention Z-reg coefficient (gradient only)
     return_hidden: bool = False  # the head is applied by the loss (training.fused_linear_ce)
+    attention_kernel: str = "sdpa"  # causal kernel on CUDA: cudnn, flash, or sdpa (ops.attention_backend.causal_kernel)
 
 
 @dataclass(frozen=True)

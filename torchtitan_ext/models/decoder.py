@@ -85,11 +85,12 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(args.hdim, eps=args.norm_eps) if args.qk_norm and computes_kv else None
         self.z_reg = options.attention_z_reg
         self.virtual_grad_scale = 1.0  # the main loss's scaling (``Decoder.set_loss_scales``)
-        self.record_lse = False  # record the mean LSE this step (``Decoder.record_attention_lse``)
+        self.record_lse = False  # a log step (``Decoder.record_attention_lse``): the dense CPU path records too
         self.n_heads_total, self.n_layers = args.n_heads, args.n_layers
         self.lse_mean: torch.Tensor | None = None
         self.fused_kernels = options.fused_norm  # training.kernels = "triton": QK-norm + RoPE in one kernel
         self.softmax_scale = args.attention_scale  # None: 1 / sqrt(head_dim); muP: 1 / head_dim
+        self.kernel = options.attention_kernel  # the causal CUDA kernel (ops.attention)
 
     def norm_and_rotate(self, q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -121,13 +122,15 @@ class Attention(nn.Module):
             (k, v), (q, _) = kv, self.norm_and_rotate(q, None, cos, sin)
         qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         want_lse = self.z_reg > 0 and torch.is_grad_enabled()
-        out, lse = attention(qh, kh, vh, mask, need_lse=want_lse, scale=self.softmax_scale)
+        out, lse = attention(qh, kh, vh, mask, need_lse=want_lse, scale=self.softmax_scale, kernel=self.kernel)
         if want_lse:
             out = add_virtual_loss(out, attention_z_virtual(lse, self.z_reg, self.n_heads_total, self.n_layers),
                                    self.virtual_grad_scale)
-        if self.record_lse:
-            if lse is None:
-                lse = attention_lse(qh, kh, vh, mask, self.softmax_scale)
+        # The fused kernels return their LSE on every step, so its mean is taken on every step and the graph
+        # does not depend on whether this is a log step; only a dense CPU mask needs a pass of its own.
+        if lse is None and isinstance(mask, torch.Tensor) and self.record_lse:
+            lse = attention_lse(qh, kh, vh, mask, self.softmax_scale)
+        if lse is not None:
             self.lse_mean = lse.detach().float().mean()
         return self.wo(out.transpose(1, 2).reshape(b, t, -1)), ((k, v) if self.shares_kv else None)
 
@@ -179,7 +182,7 @@ class Decoder(nn.Module):
         self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
         self.return_hidden = options.return_hidden
         # When attention needs a differentiable LSE without a mask (Z-reg), on CUDA the causal attention runs
-        # FlexAttention with a causal BlockMask, which returns it (the LSE metric alone: ops.attention_lse).
+        # FlexAttention with a causal BlockMask, which returns it (the LSE metric comes from the fused kernel).
         self.z_reg = options.attention_z_reg
         self.causal_flex = self.z_reg > 0
         self.input_sequence_shards = 1  # a later pipeline stage's slice of the sequence (set_input_sequence_shards)

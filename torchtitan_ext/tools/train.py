@@ -3,7 +3,8 @@
 User mistakes (config, layout, data files) end with one ``error:`` line and exit code 2; a diverged
 run (NaN loss, or gradients non-finite for training.max_skipped_steps steps in a row) ends with exit
 code 3; a preempted run (SIGTERM / SIGUSR1) saves and ends with 0 (during start-up or resume: without writing
-anything); a resumed job with no step left to train ends with 0 and one line; anything else is a bug and
+anything); a resumed job with no step left to train ends with 0 and one line; a CUDA out-of-memory error ends with
+exit code 4 and one line (where, the peaks, what would fit: ``train.out_of_memory``); anything else is a bug and
 keeps its traceback (``torchtitan_ext.cli.run_tool``).
 
 Rank 0 logs to the console; every rank's output (log messages, warnings, a traceback) also goes to
@@ -20,6 +21,7 @@ import logging
 import os
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from torchtitan_ext.cli import run_tool, setup_logging
@@ -44,6 +46,7 @@ def _run(cfg: JobConfig) -> int:
     from torchtitan_ext.checkpoint.run_folder import NothingToTrain, claim
     from torchtitan_ext.metrics.logger import rank_log
     from torchtitan_ext.metrics.wandb_sink import check_tracking
+    from torchtitan_ext.train.out_of_memory import out_of_memory
     from torchtitan_ext.train.preemption import StartupInterrupted, raise_on_signal
     from torchtitan_ext.train.trainer import Trainer
 
@@ -58,12 +61,16 @@ def _run(cfg: JobConfig) -> int:
             with rank_log(cfg.job.dump_folder, rank):
                 for note in ([f"job: {cfg.job.description}"] if cfg.job.description else []) + notes:
                     log.info(note)
+                trainer = None
                 try:
                     trainer = Trainer(cfg)
+                    trainer.train()
                 except NothingToTrain as e:
                     log.info(str(e))
                     return 0
-                trainer.train()
+                except torch.OutOfMemoryError as e:
+                    raise out_of_memory(e, cfg, None if trainer is None else trainer.step,
+                                        dist.get_world_size() if dist.is_initialized() else 1) from None
             if dist.is_initialized():
                 dist.barrier()  # gloo may abort at exit after FSDP2 work without it
         finally:

@@ -28,7 +28,7 @@ from torchtitan_ext.models.args import ComputeOptions, ModelArgs
 from torchtitan_ext.models.decoder import Decoder
 from torchtitan_ext.models.flavors import resolve_model_args
 from torchtitan_ext.models.param_count import count_params
-from torchtitan_ext.ops.attention_backend import attention_backend
+from torchtitan_ext.ops.attention_backend import attention_backend, causal_kernel
 from torchtitan_ext.ops.kernels import check_kernels
 from torchtitan_ext.parallel.compression import apply_gradient_compression
 from torchtitan_ext.parallel.dims import ParallelDims
@@ -167,13 +167,14 @@ def build_data(cfg: JobConfig, dims: ParallelDims) -> tuple[object, ModelArgs, D
     return tokenizer, args, data
 
 
-def compute_options(cfg: JobConfig, dims: ParallelDims) -> ComputeOptions:
+def compute_options(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> ComputeOptions:
     """How the model computes in this run. Under TP the residual stream and the norms are DTensors, which the
     fused norm kernels do not take: there only the activation is fused."""
     triton = cfg.training.kernels == "triton"
     return ComputeOptions(fused_norm=triton and dims.tp == 1, fused_activation=triton,
                           attention_z_reg=cfg.training.attention_z_reg,
-                          return_hidden=cfg.training.fused_linear_ce)
+                          return_hidden=cfg.training.fused_linear_ce,
+                          attention_kernel=causal_kernel(cfg.training.attention_backend, device))
 
 
 def check_layout(cfg: JobConfig, args: ModelArgs, dims: ParallelDims) -> None:
@@ -206,7 +207,7 @@ def build_model(cfg: JobConfig, runtime: Runtime, args: ModelArgs) -> BuiltModel
     dims, device = runtime.dims, runtime.device
     check_layout(cfg, args, dims)
     with torch.device("meta"):
-        model = Decoder(args, compute_options(cfg, dims))
+        model = Decoder(args, compute_options(cfg, dims, device))
     counts = count_params(args)
     log.info(f"model {cfg.model.flavor}: {counts['total']:,} parameters ({counts['active']:,} active per token, "
              f"{counts['embedding']:,} embedding); KV cache {counts['kv_per_token']:,} values per token")

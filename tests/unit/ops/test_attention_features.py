@@ -270,19 +270,45 @@ def test_home_paths_expand_for_trees_and_chat(tmp_path, monkeypatch):
     assert _files("~/chats/*.jsonl", "data.train_path") == expected == _files("~/chats", "data.train_path")
 
 
-@pytest.mark.parametrize("max_scores", [1 << 27, 2 * 4 * 37 * 5])  # one block of queries; blocks of 5 rows
-def test_causal_lse_matches_float64_logits(max_scores):
-    """The LSE metric's causal path (no FlexAttention), GQA and a custom scale, in one block or several:
-    the float64 log-sum-exp of the causally masked logits."""
-    from torchtitan_ext.ops.attention import causal_lse
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_causal_lse_matches_float64_logits(dtype):
+    """The LSE metric's causal path: the fused kernel's own log-sum-exp (GQA, a custom scale) equals the
+    float64 log-sum-exp of the causally masked logits, and its output equals the dense reference."""
+    from torchtitan_ext.ops.attention import attention, dense_attention
 
     g = torch.Generator().manual_seed(0)
-    q, k = torch.randn(2, 4, 37, 8, generator=g), torch.randn(2, 2, 37, 8, generator=g)
+    q, k, v = (torch.randn(2, heads, 37, 8, generator=g, dtype=dtype) for heads in (4, 2, 2))
     logits = (q.double() @ k.double().repeat_interleave(2, dim=1).transpose(-1, -2)) * 0.3
     causal = torch.ones(37, 37, dtype=torch.bool).tril()
     expected = torch.logsumexp(logits.masked_fill(~causal, float("-inf")), dim=-1)
-    torch.testing.assert_close(causal_lse(q, k, 0.3, max_scores=max_scores).double(), expected,
-                               rtol=1e-5, atol=1e-5)
+    out, lse = attention(q, k, v, None, scale=0.3)
+    tol = 1e-5 if dtype == torch.float32 else 1e-10
+    torch.testing.assert_close(lse.double(), expected, rtol=tol, atol=tol)
+    torch.testing.assert_close(out, dense_attention(q, k, v, None, 0.3)[0], rtol=tol, atol=tol)
+
+
+def test_lse_metric_keeps_one_graph_whatever_the_length_or_log_step():
+    """The compiled block's graph is the same size at 64 and 512 tokens, and a log step (record_lse) needs no
+    recompilation: the LSE comes with the attention output."""
+    sizes = []
+
+    def counting_backend(gm, example_inputs):
+        sizes.append(len(gm.graph.nodes))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Decoder(dataclasses.replace(ARGS, max_seq_len=512))
+    model.init_buffers(torch.device("cpu"))
+    block = model.layers["0"]
+    compiled = torch.compile(block, backend=counting_backend, dynamic=False)
+    rope = (model.rope_cos[None], model.rope_sin[None])
+    for seq, record in ((64, False), (64, True), (512, False), (512, True)):
+        block.attention.record_lse = record
+        compiled(torch.randn(1, seq, ARGS.dim), rope)
+        assert block.attention.lse_mean is not None
+    assert len(sizes) == 2 and sizes[0] == sizes[1], sizes  # one graph per length, no log-step recompile
+    torch._dynamo.reset()
 
 
 def _stage_shards(rank: int, world: int) -> tuple[int, int]:
