@@ -164,8 +164,8 @@ def test_mup_at_its_base_width_is_the_standard_model():
 @pytest.mark.parametrize("masked", [False, True], ids=["causal", "mask"])
 @pytest.mark.parametrize("need_lse", [False, True], ids=["sdpa", "lse"])
 def test_attention_core_scale_against_float64(scale, masked, need_lse):
-    """Every CPU path of the attention core (SDPA causal or masked, the dense path with the LSE) applies the
-    scale: out and LSE equal softmax(scale q k^T + mask) v computed directly in float64 (GQA: 4 over 2)."""
+    """Every CPU path of the attention core (the fused causal kernel, SDPA masked, the dense path with the LSE)
+    applies the scale: out and LSE equal softmax(scale q k^T + mask) v computed directly in float64 (GQA: 4 over 2)."""
     g = torch.Generator().manual_seed(0)
     b, h, hk, t, d = 2, 4, 2, 12, 16
     q = torch.randn(b, h, t, d, generator=g, dtype=torch.float64) * 2
@@ -178,7 +178,7 @@ def test_attention_core_scale_against_float64(scale, masked, need_lse):
     scores = q @ k.repeat_interleave(h // hk, dim=1).transpose(-1, -2) * (d ** -0.5 if scale is None else scale)
     scores = scores.masked_fill(~allowed[:, None], float("-inf"))
     torch.testing.assert_close(out, scores.softmax(-1) @ v.repeat_interleave(h // hk, dim=1))
-    if need_lse:
+    if need_lse or not masked:  # the fused causal kernel returns its LSE too (not differentiable)
         torch.testing.assert_close(lse, scores.logsumexp(-1))
     else:
         assert lse is None
