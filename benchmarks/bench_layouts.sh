@@ -228,7 +228,7 @@ tt_args() {  # tt_args ROW: torchtitan's arguments for ROW (without tt_) into th
     [[ $row == *_f8 ]] && { f8=1; row=${row%_f8}; }
     model=${row%%_*}; layout=${row#*_}
     NPROC=4
-    A=(--job.config_file llama3_layouts.toml --model.hf_assets_path "$TT_ASSETS/tokenizer"
+    A=(--job.config_file llama3.toml --model.hf_assets_path "$TT_ASSETS/tokenizer"
        --training.dataset_path "$TT_ASSETS/c4_local")
     [ "$model" = 32b ] && A+=(--model.flavor 32b_shape)
     case $layout in
