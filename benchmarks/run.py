@@ -60,7 +60,9 @@ MIN_START_S = 60  # under --deadline, a run starts only with this much time left
 ERROR_LINES = 6  # a failed run's last log lines kept in its results line
 KEYS = {"description": str, "gpus": int, "config": str, "trainer_args": str, "args": str, "batch": int, "seq": int,
         "steps": int, "warmup": int, "log_freq": int, "timeout_s": int, "baselines": list, "figures": list,
-        "env": dict, "reference": str, "plain": dict, "torchtitan": dict}
+        "env": dict, "reference": str, "model_parallel": int, "plain": dict, "torchtitan": dict}
+
+KIND = {str: "a string", int: "a whole number", list: "a list", dict: "a table"}
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,7 @@ class Scenario:
     figures: list[str]
     env: dict[str, str] = field(default_factory=dict)
     reference: str | None = None
+    model_parallel: int = 1
     plain: dict = field(default_factory=dict)
     torchtitan: dict = field(default_factory=dict)
 
@@ -103,7 +106,7 @@ def load_scenarios(path: Path = SCENARIOS) -> dict[str, Scenario]:
             if key not in KEYS:
                 raise UserError(f"{where}: unknown key {key!r} (expected one of {', '.join(KEYS)})")
             if not isinstance(value, KEYS[key]) or isinstance(value, bool):
-                raise UserError(f"{where}.{key} = {value!r}: expected a {KEYS[key].__name__}")
+                raise UserError(f"{where}.{key} = {value!r}: expected {KIND[KEYS[key]]}")
         missing = [k for k in ("batch", "seq", "description") if k not in raw]
         if missing:
             raise UserError(f"{where}: missing {', '.join(missing)}")
@@ -119,6 +122,7 @@ def load_scenarios(path: Path = SCENARIOS) -> dict[str, Scenario]:
             log_freq=raw.get("log_freq", 5), timeout_s=raw.get("timeout_s", 300),
             baselines=raw.get("baselines", []), figures=raw.get("figures", []),
             env={k: str(v) for k, v in raw.get("env", {}).items()}, reference=raw.get("reference"),
+            model_parallel=raw.get("model_parallel", 1),
             plain=raw.get("plain", {}), torchtitan=raw.get("torchtitan", {}))
     return out
 
@@ -307,8 +311,9 @@ def torchtitan(call: Call, scenario: Scenario, limit: float) -> dict:
     site, assets = ready
     folder = call.work / f"{scenario.name}_torchtitan"
     shutil.rmtree(folder, ignore_errors=True)
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-              "--nproc_per_node", str(max(scenario.gpus, 1)), "-m", "torchtitan.train"]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+              str(max(scenario.gpus, 1)), "--local-ranks-filter", "0", "--role", "rank", "--tee", "3",
+              "-m", "torchtitan.train"]  # rank 0's lines alone, as torchtitan's run_train.sh keeps them
     cmd = [*launch, "--job.config_file", scenario.torchtitan.get("config", "llama3.toml"),
            "--job.dump_folder", str(folder), "--model.hf_assets_path", str(assets / "tokenizer"),
            "--training.dataset_path", str(assets / "c4_local"), "--training.steps", str(scenario.steps),
@@ -319,7 +324,8 @@ def torchtitan(call: Call, scenario: Scenario, limit: float) -> dict:
     out = {"command": shlex.join(cmd), "wall_s": round(time.monotonic() - start, 1), "version": "torchtitan 0.2.0"}
     if rc != 0:
         return {**out, "status": "failed", "error": failure(rc, log, limit)}
-    return {**out, **measured(scenario, steady.torchtitan(log, scenario.batch * scenario.seq))}
+    tokens_per_step = scenario.batch * scenario.seq // scenario.model_parallel  # a device's
+    return {**out, **measured(scenario, steady.torchtitan(log, tokens_per_step))}
 
 
 def run_scenario(call: Call, scenario: Scenario, device: str) -> list[dict]:

@@ -93,7 +93,8 @@ TORCHTITAN_STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*(\S+)\s+grad_norm:\s*\S+\
 
 def torchtitan(log_text: str, tokens_per_step: int) -> list[Window]:
     """The windows of a torchtitan 0.2.0 run from its console log (rank 0's lines): ``tps`` is tokens per
-    second per device, ``tokens_per_step`` each device's tokens a step (local batch x sequence length)."""
+    second per device, ``tokens_per_step`` each device's tokens a step (local batch x sequence length over the
+    tensor, pipeline and context parallel degrees)."""
     windows: list[Window] = []
     for line in log_text.splitlines():
         m = TORCHTITAN_STEP.search(line)
