@@ -6,9 +6,10 @@ autotuning and the allocator's growth happen there). Throughput is the median ov
 window one sample. The first step's time is the first window's less its other steps at the steady step time
 (exact when the first window is one step long).
 
-Readers turn each trainer's output into windows: :func:`ours` (metrics.jsonl of ``torchtitan_ext.train``),
-:func:`torchtitan` (torchtitan 0.2.0's console log). :func:`cuda_ms` times a callable with CUDA events for the
-microbenchmarks.
+Readers turn each trainer's output into windows: :func:`ours` (metrics.jsonl of ``torchtitan_ext.train``; its
+rows: :func:`windows`),
+:func:`torchtitan` (torchtitan 0.2.0's console log). :func:`median_ms` times a callable for the
+microbenchmarks (benchmarks/micro/).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import math
 import re
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,18 +73,21 @@ def figures(windows: Sequence[Window], warmup: int) -> dict[str, float]:
 
 
 def ours(metrics_jsonl: Path, world_size: int = 1) -> list[Window]:
-    """The training windows of a ``torchtitan_ext.train`` run of a fresh dump folder: each row's
-    ``tokens`` (cumulative, the whole job's) and ``tokens_per_sec`` give its window's tokens and seconds."""
-    rows = [json.loads(line) for line in metrics_jsonl.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if "loss" in r and "tokens_per_sec" in r and "tokens" in r]
-    windows, step, tokens = [], 0, 0.0
-    for row in rows:
+    """The training windows of a ``torchtitan_ext.train`` run of a fresh dump folder (:func:`windows`)."""
+    return windows([json.loads(line) for line in metrics_jsonl.read_text().splitlines() if line.strip()], world_size)
+
+
+def windows(rows: list[dict], world_size: int = 1) -> list[Window]:
+    """The windows of metrics.jsonl's rows: each training row's ``tokens`` (cumulative, the whole job's) and
+    ``tokens_per_sec`` give its window's tokens and seconds; rows without them (evaluations) are skipped."""
+    out, step, tokens = [], 0, 0.0
+    for row in (r for r in rows if "tokens_per_sec" in r and "tokens" in r):
         job_tokens = row["tokens"] - tokens
         if job_tokens > 0 and row["tokens_per_sec"] > 0:
-            windows.append(Window(row["step"], row["step"] - step, job_tokens / row["tokens_per_sec"],
-                                  job_tokens / world_size, _numbers(row)))
+            out.append(Window(row["step"], row["step"] - step, job_tokens / row["tokens_per_sec"],
+                              job_tokens / world_size, _numbers(row)))
         step, tokens = row["step"], row["tokens"]
-    return windows
+    return out
 
 
 # rank 0's step line of torchtitan 0.2.0: "step: 10  loss: 7.1  grad_norm: 1.2  memory: 30.1GiB(22%)  tps: 9,001
@@ -114,19 +119,28 @@ def _numbers(row: dict) -> dict[str, float]:
     return {k: float(v) for k, v in row.items() if isinstance(v, int | float) and math.isfinite(v)}
 
 
-def cuda_ms(fn: Callable[[], object], iters: int = 20, warmup: int = 3) -> float:
-    """Median milliseconds of one call of ``fn`` on the current CUDA device (CUDA events around each call)
-    over ``iters`` calls after ``warmup`` untimed ones."""
+def median_ms(fn: Callable[[], object], iters: int = 20, warmup: int = 3, calls: int = 1,
+              device: str = "cuda") -> float:
+    """Median milliseconds of one call of ``fn`` over ``iters`` samples of ``calls`` back-to-back calls each,
+    after ``warmup`` untimed calls: CUDA events around each sample on ``device`` "cuda", the host clock on any
+    other."""
     import torch
 
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / calls)
+        else:
+            began = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times.append((time.perf_counter() - began) * 1e3 / calls)
     return statistics.median(times)

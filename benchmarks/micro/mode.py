@@ -1,6 +1,6 @@
 """MoDE layer throughput on one GPU against a dense SwiGLU FFN with the same active parameters.
 
-Usage, from the repository root: ``python3 benchmarks/bench_mode.py [--json PATH] [--no-compile]``;
+Usage, from the repository root: ``python3 benchmarks/micro/mode.py [--json PATH] [--no-compile]``;
 ``--smoke`` runs tiny sizes on the CPU to check the script itself.
 
 What is measured, in bf16 on one GPU, for each (tokens, moe_hidden) with d_model 2048, 16 experts, top-2:
@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
 import time
 import traceback
@@ -38,7 +37,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+BENCH = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(BENCH.parent), str(BENCH)]  # the package from a checkout; steady.py
+
+from steady import median_ms  # noqa: E402
 
 from torchtitan_ext.models.args import ModelArgs  # noqa: E402
 from torchtitan_ext.models.ffn import FeedForward  # noqa: E402
@@ -50,33 +52,9 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got.double() - ref).norm() / ref.norm().clamp(min=1e-30)).item()
 
 
-def bench(fn, device: torch.device, warmup_ms: float = 100, rep_ms: float = 500) -> float:
-    """Median milliseconds of ``fn`` after warm-up: CUDA events (triton's do_bench) or perf_counter."""
-    if device.type == "cuda":
-        try:
-            from triton.testing import do_bench
-
-            return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
-        except ImportError:
-            pass
-        fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(20):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
-    fn()
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+def bench(fn, device: torch.device) -> float:
+    """Median milliseconds of ``fn`` after warm-up (benchmarks/steady.py)."""
+    return median_ms(fn, device=device.type)
 
 
 def make_args(dim: int, experts: int, top_k: int, hidden: int) -> ModelArgs:

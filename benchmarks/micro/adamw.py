@@ -1,10 +1,10 @@
 """AdamW's step alone on one GPU: torch's fused kernel against ``TritonAdamW`` (``train/triton_adamw.py``)
 over the parameters of a bench model, with the trainer's device-side clip factor and skip flag.
-``python benchmarks/bench_adamw.py [--experts 16] [--layers 8] [--steps 20]``
+``python benchmarks/micro/adamw.py [--experts 16] [--layers 8] [--steps 20]``
 
-The default model is one EP 4 rank of ``bench_mode_scale.sh`` (d 2048, 8 layers, 16 of the 64 experts,
-vocabulary 32000): every parameter float32 with a float32 gradient, as FSDP leaves them. Prints one JSON
-line per variant: ms per step (CUDA events, after 3 warm-up steps), bytes moved at 28 per parameter and the
+The default model is one EP 4 rank of benchmarks/scenarios.toml's ``mode_ep4`` (d 2048, 8 layers, 16 of the
+64 experts, vocabulary 32000): every parameter float32 with a float32 gradient, as FSDP leaves them. Prints one JSON
+line per variant: ms per step (CUDA events over --steps steps after 3 warm-up steps), bytes moved at 28 per parameter and the
 bandwidth that makes, and the largest difference from torch's first update (same parameters and
 gradients) over the first COMPARED tensors.
 The ``blockN`` variants run the kernel alone over the parameters at other block sizes. Speed claims for
@@ -16,13 +16,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 
-from torchtitan_ext.cli import positive_whole
-from torchtitan_ext.models.args import ModelArgs
-from torchtitan_ext.models.decoder import Decoder
-from torchtitan_ext.train.triton_adamw import TritonAdamW, adamw_update_
+BENCH = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(BENCH.parent), str(BENCH)]  # the package from a checkout; steady.py
+
+from steady import median_ms  # noqa: E402
+
+from torchtitan_ext.cli import positive_whole  # noqa: E402
+from torchtitan_ext.models.args import ModelArgs  # noqa: E402
+from torchtitan_ext.models.decoder import Decoder  # noqa: E402
+from torchtitan_ext.train.triton_adamw import TritonAdamW, adamw_update_  # noqa: E402
 
 COMPARED = 12  # tensors whose first update is compared with torch's (the embedding and the first blocks)
 
@@ -41,19 +47,6 @@ def fill_grads(params: list[torch.nn.Parameter]) -> None:
     gen = torch.Generator(device="cuda").manual_seed(1)
     for p in params:
         p.grad = torch.randn(p.shape, device="cuda", generator=gen)
-
-
-def timed(step, steps: int) -> float:
-    for _ in range(3):
-        step()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(steps):
-        step()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / steps
 
 
 def main() -> None:
@@ -83,7 +76,7 @@ def main() -> None:
         opt.grad_scale, opt.found_inf = scale, skip
         opt.step()
         updates[name] = [p.detach() - p0 for p, p0 in zip(compared, start, strict=True)]
-        ms = timed(opt.step, opts.steps)
+        ms = median_ms(opt.step, iters=1, calls=opts.steps)
         diff = max(((a - b).abs().max() / b.abs().max()).item()
                    for a, b in zip(updates[name], updates["torch_fused"], strict=True))
         print(json.dumps({"variant": name, "params": numel, "tensors": len(params), "ms": round(ms, 3),
@@ -96,7 +89,7 @@ def main() -> None:
             for p, (m, v, step) in zip(params, state, strict=True):
                 adamw_update_(p.data, p.grad, m, v, step, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8,
                               weight_decay=0.1, grad_scale=scale, found_inf=skip, block=block)
-        ms = timed(kernel_only, opts.steps)
+        ms = median_ms(kernel_only, iters=1, calls=opts.steps)
         print(json.dumps({"variant": f"block{block}", "ms": round(ms, 3),
                           "tb_per_s": round(28 * numel / ms / 1e9, 2)}), flush=True)
 

@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
 # The correctness checks of a stop on one 4-GPU machine, side by side (none of them is timed, so they share
-# the GPUs): the multigpu test tier, Squinch's 300-step loss on the two-node bed (bf16 reduce vs Squinch),
-# the multi-node faults on the bed (benchmarks/two_nodes_faults.py) and the compiled float8 experts probe
-# on GPU 3. Speeds printed by the bed runs here are not measurements (the GPUs are shared).
+# the GPUs): the multigpu test tier, Squinch's 300-step loss on the two-node bed (bf16 reduce vs Squinch)
+# and the multi-node faults on the bed (tests/gpu_checks/two_nodes_faults.py). Speeds printed by the bed runs here are not measurements (the GPUs are shared).
 #
-# Usage (repository root, torchao importable for the float8 tests):  bash benchmarks/checks_x4.sh OUT_DIR
-#   env: DEADLINE_S (560): every part is stopped by then; PARTS (all: "suite squinch faults probe");
+# Usage (repository root, torchao importable for the float8 tests):  bash tests/gpu_checks/checks_x4.sh OUT_DIR
+#   env: DEADLINE_S (560): every part is stopped by then; PARTS (all: "suite squinch faults");
 #        SUITE_K: a pytest -k expression selecting part of the multigpu tier; SUITE_PARTS instead: parts run
 #        side by side as separate pytest processes, "PATH|K-EXPRESSION" each, separated by ";" (e.g.
 #        "tests/multigpu/test_squinch_nccl.py;tests/multigpu/test_layouts_nccl.py|zb or killed"). Part N
@@ -14,16 +13,16 @@
 set -uo pipefail
 case ${1:-} in
     -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
-    ""|-*) echo "usage: bash benchmarks/checks_x4.sh OUT_DIR (--help for more)" >&2; exit 2 ;;
+    ""|-*) echo "usage: bash tests/gpu_checks/checks_x4.sh OUT_DIR (--help for more)" >&2; exit 2 ;;
 esac
 OUT=$1
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0
 DEADLINE=${DEADLINE_S:-560}
-PARTS=${PARTS:-suite squinch faults probe}
+PARTS=${PARTS:-suite squinch faults}
 for part in $PARTS; do  # every name checked before any part starts
-    case $part in suite|squinch|faults|probe) ;;
-        *) echo "checks_x4: unknown part '$part' in PARTS (expected suite, squinch, faults, probe)" >&2; exit 2 ;;
+    case $part in suite|squinch|faults) ;;
+        *) echo "checks_x4: unknown part '$part' in PARTS (expected suite, squinch, faults)" >&2; exit 2 ;;
     esac
 done
 W=$(mktemp -d /tmp/checks_x4.XXXXXX)
@@ -54,9 +53,7 @@ for part in $PARTS; do
                continue ;;
         squinch) STEPS=300 LIMIT=$(( DEADLINE / 2 - 10 )) RUNS="nodes2_bf16 nodes2_squinch" timeout "$DEADLINE" \
                    bash benchmarks/bench_squinch_hsdp.sh "$W/squinch" > "$OUT/squinch.log" 2>&1 & ;;
-        faults) timeout "$DEADLINE" python3 benchmarks/two_nodes_faults.py "$W/faults" > "$OUT/faults.log" 2>&1 & ;;
-        probe) CUDA_VISIBLE_DEVICES=3 timeout "$DEADLINE" python3 benchmarks/probe_float8_experts_compile.py \
-                   > "$OUT/probe.log" 2>&1 & ;;
+        faults) timeout "$DEADLINE" python3 tests/gpu_checks/two_nodes_faults.py "$W/faults" > "$OUT/faults.log" 2>&1 & ;;
     esac
     pids+=("$!")
 done

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # training.deterministic on one GPU: two identical 20-step runs (debug model, bf16, attention backend auto)
 # must log bitwise-equal losses and gradient norms; a third run without it shows whether the default differs.
-# About 1 minute. Usage, from the repository root: benchmarks/check_deterministic.sh [OUT_DIR]
+# About 1 minute. Usage, from the repository root: tests/gpu_checks/check_deterministic.sh [OUT_DIR]
 # --smoke runs the same on CPU (tiny model).
 set -uo pipefail
 SMOKE=0
@@ -10,8 +10,14 @@ OUT="${1:-${OUT:-/tmp/check_deterministic}}"
 PY="${PYTHON:-python3}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-runs=()
-source benchmarks/run_job.sh
+run_job() {  # run_job NAME LIMIT_S CMD...: CMD into $OUT/NAME (its dump folder), its output in $OUT/NAME.log
+    local name=$1 limit=$2; shift 2
+    rm -rf "${OUT:?}/$name"
+    timeout "$limit" "$@" --job.dump_folder "$OUT/$name" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "run $name: exit $rc"
+    [ $rc = 0 ] || grep -iE "error|exception" "$OUT/$name.log" | tail -n 8
+}
 ARGS=(--config train_configs/debug.toml --data.tokenizer byte --training.steps 20 --metrics.log_freq 1
       --metrics.tensorboard false --checkpoint.enabled false --eval.steps 0)
 [ "$SMOKE" = 1 ] && ARGS+=(--job.device cpu --training.steps 4 --model.dim 64 --model.n_layers 2 --training.seq_len 64)

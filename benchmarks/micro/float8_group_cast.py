@@ -2,7 +2,7 @@
 (``quant/float8_group_cast.py``, one call per operand) against torchao 0.17's per-expert kernel (both operands in
 one call), on one GPU.
 
-    python benchmarks/bench_float8_group_cast.py [--rows 32768] [--groups 64] [--skew 10] [--iters 50]
+    python benchmarks/micro/float8_group_cast.py [--rows 32768] [--groups 64] [--skew 10] [--iters 50]
 
 The rows of one expert-parallel-free layer (8 x 2048 tokens x top-2) go to 64 experts with the hottest getting
 ``--skew`` times the mean (as the trainer's router logged, 7-11x), the rest shared evenly, every group padded to
@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the package, from a checkout
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cuda_timing import timed  # noqa: E402  (this folder)
+BENCH = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(BENCH.parent), str(BENCH)]  # the package from a checkout; steady.py
+from steady import median_ms  # noqa: E402
 
 
 def group_ends(rows: int, groups: int, skew: float) -> torch.Tensor:
@@ -46,7 +46,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=50)
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("error: bench_float8_group_cast.py needs a CUDA GPU")
+        raise SystemExit("error: benchmarks/micro/float8_group_cast.py needs a CUDA GPU")
     from torchao.prototype.moe_training.kernels import triton_fp8_per_group_colwise_scales_dual as torchao_dual
 
     from torchtitan_ext.quant.float8_group_cast import group_colwise_cast
@@ -56,8 +56,8 @@ def main() -> None:
     for name, (cols_a, cols_b) in {"w1_w3": (1408, 2048), "w2": (2048, 1408)}.items():
         a = torch.randn(args.rows, cols_a, device="cuda").bfloat16()
         b = torch.randn(args.rows, cols_b, device="cuda").bfloat16()
-        ours_ms = timed(lambda a=a, b=b: (group_colwise_cast(a, ends), group_colwise_cast(b, ends)), args.iters, 5)
-        theirs_ms = timed(lambda a=a, b=b: torchao_dual(a, b, ends, torch.float8_e4m3fn, True), args.iters, 5)
+        ours_ms = median_ms(lambda a=a, b=b: (group_colwise_cast(a, ends), group_colwise_cast(b, ends)), args.iters, 5)
+        theirs_ms = median_ms(lambda a=a, b=b: torchao_dual(a, b, ends, torch.float8_e4m3fn, True), args.iters, 5)
         (da, sa), (db, sb) = group_colwise_cast(a, ends), group_colwise_cast(b, ends)
         ta, tsa, tb, tsb = torchao_dual(a, b, ends, torch.float8_e4m3fn, True)
         same = all(torch.equal(x.view(torch.uint8) if x.dtype != torch.float32 else x,

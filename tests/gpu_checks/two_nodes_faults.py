@@ -9,7 +9,7 @@ dp_replicate 2 x dp_shard 2, a checkpoint every 10 steps, 40 steps, float32, det
   resume2   the sigterm run's checkpoint resumed by one agent of 2 ranks (4 -> 2 GPUs, FSDP over 2, the same
             global batch) to step 40: its losses against the reference
 
-Usage (repository root):  python3 benchmarks/two_nodes_faults.py [--cpu] OUT_DIR
+Usage (repository root):  python3 tests/gpu_checks/two_nodes_faults.py [--cpu] OUT_DIR
   env SCENARIOS: the scenarios after ``straight`` (default "killed sigterm resume2"; resume2 needs sigterm)
 One JSON line per scenario, exit 1 when a check fails. --cpu: gloo on CPU, the debug model (this machine).
 """
@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STEPS, INTERVAL, FAULT_AFTER = 40, 10, 15
 SAME_LAYOUT_RTOL = 1e-4  # a restart on the layout it was killed on: float32 rounding at most
 OTHER_LAYOUT_RTOL = 2e-3  # 2 ranks instead of 4 sum in another order; lr 3e-4 keeps the drift small

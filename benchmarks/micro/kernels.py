@@ -1,6 +1,6 @@
 """GPU check of the fused ops at the ``1b`` step's shapes (16 x 2048 tokens, d 2048, FFN 5632, vocab 32000):
 error against float32 references and forward+backward time against torch.compile of the unfused code.
-``python benchmarks/bench_kernels.py`` prints one JSON line per op."""
+``python benchmarks/micro/kernels.py`` prints one JSON line per op."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 then forward+backward tokens/s of the compiled 1b shape with causal SDPA, FlexAttention with a causal mask,
 and document masking (mean document length 512).
 
-    python benchmarks/bench_attention.py check            # FlexAttention compiles and matches (seconds)
-    python benchmarks/bench_attention.py speed SEQ LAYERS # tokens/s and peak memory per attention mode
+    python benchmarks/micro/attention.py check            # FlexAttention compiles and matches (seconds)
+    python benchmarks/micro/attention.py speed SEQ LAYERS # tokens/s and peak memory per attention mode
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Squinch codec throughput against the device's copy bandwidth, printed as JSON.
 
-GPU (the Triton kernels), from the repository root:  python3 benchmarks/bench_squinch.py [--json PATH]
-CPU check of the script itself (the torch reference, tiny sizes):  python3 benchmarks/bench_squinch.py --smoke
+GPU (the Triton kernels), from the repository root:  python3 benchmarks/micro/squinch.py [--json PATH]
+CPU check of the script itself (the torch reference, tiny sizes):  python3 benchmarks/micro/squinch.py --smoke
 
 For each input dtype (bf16, fp32) and size the script times encode and decode and reports:
 - ``encode_gb_s``: GB/s of encoder input (n * element size / time);
@@ -17,40 +17,28 @@ Inputs rotate over enough buffers (>= 256 MiB in all) that small sizes are not s
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+BENCH = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(BENCH.parent), str(BENCH)]  # the package from a checkout; steady.py
+
+from steady import median_ms  # noqa: E402
 
 from torchtitan_ext.comm import squinch  # noqa: E402
 
 _ROTATE_BYTES = 256 * 2**20
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _time_ms(fn: Callable[[int], object], device: torch.device, iters: int, repeats: int) -> float:
-    """Median over ``repeats`` of the mean time of ``iters`` calls ``fn(i)``, after a warm-up."""
-    for i in range(3):
-        fn(i)
-    samples = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        for i in range(iters):
-            fn(i)
-        _sync(device)
-        samples.append((time.perf_counter() - start) * 1e3 / iters)
-    return statistics.median(samples)
+    """Median over ``repeats`` samples of the mean time of ``iters`` calls ``fn(i)``, i = 0, 1, ..."""
+    calls = itertools.count()
+    return median_ms(lambda: fn(next(calls)), iters=repeats, calls=iters, device=device.type)
 
 
 def copy_bandwidth_gb_s(device: torch.device, nbytes: int, iters: int, repeats: int) -> float:

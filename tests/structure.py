@@ -2,7 +2,7 @@
 module import circles, imports that run from a lower layer back up (against ``LAYERS``), functions over 80
 lines, the length of ``Trainer.__init__``, and the same drawn by package: circles between packages, arrows from
 a library package up to a higher one, library packages that import the tool layer, and command lines that live
-outside it. ``python benchmarks/structure.py [PACKAGE_DIR]``.
+outside it. ``python tests/structure.py [PACKAGE_DIR]``.
 
 Every import counts, also one inside a function. A ``__main__`` module is the top layer in the module graph; in
 the package graph it belongs to its package, unless it is a shim (it defines nothing and imports only the tool
