@@ -27,6 +27,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -214,10 +215,12 @@ def execute(call: Call, name: str, cmd: list[str], cwd: Path, env: dict[str, str
     log = call.work / f"{name}.log"
     call.logs.append(log)
     with open(log, "w") as f:
+        process = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            rc = subprocess.run(cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=limit,
-                                start_new_session=True).returncode
-        except subprocess.TimeoutExpired:
+            rc = process.wait(timeout=limit)
+        except subprocess.TimeoutExpired:  # the run's whole process group: torchrun's workers too
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
             rc = 124
     return rc, log.read_text(errors="replace")
 
@@ -246,8 +249,9 @@ def ours(call: Call, scenario: Scenario, run: str, limit: float) -> dict:
         out["commit"] = (tree / "COMMIT").read_text().strip() if (tree / "COMMIT").is_file() else None
     if rc != 0:
         return {**out, "status": "failed", "error": failure(rc, log, limit)}
-    windows = steady.ours(folder / "metrics.jsonl", max(scenario.gpus, 1))
-    return {**out, **measured(scenario, windows)}
+    if not (folder / "metrics.jsonl").is_file():
+        return {**out, "status": "failed", "error": f"exit 0 but no {folder.name}/metrics.jsonl"}
+    return {**out, **measured(scenario, steady.ours(folder / "metrics.jsonl", max(scenario.gpus, 1)))}
 
 
 def measured(scenario: Scenario, windows: list[steady.Window]) -> dict:
@@ -271,7 +275,10 @@ def plain(call: Call, scenario: Scenario, limit: float) -> dict:
     out = {"command": shlex.join(cmd), "wall_s": round(time.monotonic() - start, 1)}
     if rc != 0:
         return {**out, "status": "failed", "error": failure(rc, log, limit)}
-    result = json.loads([line for line in log.splitlines() if line.startswith("{")][-1])
+    printed = [line for line in log.splitlines() if line.startswith("{")]
+    if not printed:
+        return {**out, "status": "failed", "error": "the plain script printed no JSON line"}
+    result = json.loads(printed[-1])
     if result.get("seq") != scenario.seq:
         return {**out, "status": "failed",
                 "error": f"the plain script ran seq {result.get('seq')}, the scenario's is {scenario.seq}"}

@@ -73,8 +73,10 @@ def test_a_failed_run_is_a_line_that_says_so(tmp_path, monkeypatch, capsys):
     scenarios = tmp_path / "scenarios.toml"
     scenarios.write_text('[scenario.broken]\ndescription = "a flavor that does not exist"\ngpus = 0\n'
                          'config = "train_configs/debug.toml"\nargs = "--model.flavor nosuch"\nbatch = 2\nseq = 64\n'
-                         'baselines = ["previous"]\n')
-    code = run.run_tool(run.main, ["broken", "--scenarios", str(scenarios), "--out", str(tmp_path),
+                         'baselines = ["previous"]\n'
+                         '[scenario.slow]\ndescription = "past its limit"\ngpus = 0\n'
+                         'config = "train_configs/debug.toml"\nbatch = 2\nseq = 64\ntimeout_s = 2\n')
+    code = run.run_tool(run.main, ["broken", "slow", "--scenarios", str(scenarios), "--out", str(tmp_path),
                                    "--work", str(tmp_path / "w"), "--previous", str(tmp_path / "none")])
     assert code == 1, capsys.readouterr()
     ours, previous = _lines(tmp_path / "broken.jsonl")
@@ -83,6 +85,8 @@ def test_a_failed_run_is_a_line_that_says_so(tmp_path, monkeypatch, capsys):
     assert previous == {**previous, "run": "previous", "status": "failed",
                         "error": f"no previous tree in {tmp_path / 'none'}: run `python benchmarks/run.py "
                                  "--prepare-previous REF` first"}
+    (slow,) = _lines(tmp_path / "slow.jsonl")
+    assert (slow["status"], slow["error"]) == ("failed", "stopped at its limit of 2 s")
 
 
 def _bad_scenarios(tmp_path: Path, text: str) -> str:
