@@ -61,7 +61,8 @@ MIN_START_S = 60  # under --deadline, a run starts only with this much time left
 ERROR_LINES = 6  # a failed run's last log lines kept in its results line
 KEYS = {"description": str, "gpus": int, "config": str, "trainer_args": str, "args": str, "batch": int, "seq": int,
         "steps": int, "warmup": int, "log_freq": int, "timeout_s": int, "baselines": list, "figures": list,
-        "env": dict, "reference": str, "model_parallel": int, "plain": dict, "torchtitan": dict}
+        "env": dict, "reference": str, "model_parallel": int, "launcher": str, "plain": dict, "torchtitan": dict}
+LAUNCHERS = ("torchrun", "two_nodes", "two_nodes_one_host")
 
 KIND = {str: "a string", int: "a whole number", list: "a list", dict: "a table"}
 
@@ -84,6 +85,7 @@ class Scenario:
     env: dict[str, str] = field(default_factory=dict)
     reference: str | None = None
     model_parallel: int = 1
+    launcher: str = "torchrun"
     plain: dict = field(default_factory=dict)
     torchtitan: dict = field(default_factory=dict)
 
@@ -111,6 +113,8 @@ def load_scenarios(path: Path = SCENARIOS) -> dict[str, Scenario]:
         missing = [k for k in ("batch", "seq", "description") if k not in raw]
         if missing:
             raise UserError(f"{where}: missing {', '.join(missing)}")
+        if raw.get("launcher", "torchrun") not in LAUNCHERS:
+            raise UserError(f"{where}.launcher = {raw['launcher']!r}: expected one of {', '.join(LAUNCHERS)}")
         if bad := [b for b in raw.get("baselines", []) if b not in BASELINES]:
             raise UserError(f"{where}.baselines: unknown {bad[0]!r} (expected {', '.join(BASELINES)})")
         for baseline in ("plain", "torchtitan"):
@@ -123,7 +127,7 @@ def load_scenarios(path: Path = SCENARIOS) -> dict[str, Scenario]:
             log_freq=raw.get("log_freq", 5), timeout_s=raw.get("timeout_s", 300),
             baselines=raw.get("baselines", []), figures=raw.get("figures", []),
             env={k: str(v) for k, v in raw.get("env", {}).items()}, reference=raw.get("reference"),
-            model_parallel=raw.get("model_parallel", 1),
+            model_parallel=raw.get("model_parallel", 1), launcher=raw.get("launcher", "torchrun"),
             plain=raw.get("plain", {}), torchtitan=raw.get("torchtitan", {}))
     return out
 
@@ -240,8 +244,13 @@ def ours(call: Call, scenario: Scenario, run: str, limit: float) -> dict:
                                              "`python benchmarks/run.py --prepare-previous REF` first"}
     folder = call.work / f"{scenario.name}_{run}"
     shutil.rmtree(folder, ignore_errors=True)
-    cmd = [*launcher(scenario.gpus, "torchtitan_ext.train"), *scenario.trainer_args(scenario.config),
-           "--job.dump_folder", str(folder)]
+    if scenario.launcher == "torchrun":
+        launch = launcher(scenario.gpus, "torchtitan_ext.train")
+    else:  # two torchrun agents on this host, seen by NCCL as two nodes (or as one: two_nodes_one_host)
+        launch = ["bash", str(tree / "benchmarks" / "two_nodes.sh"), *(["--cpu"] if scenario.gpus == 0 else []),
+                  *(["--no-hostid"] if scenario.launcher == "two_nodes_one_host" else []),
+                  "--logs", f"{folder}.agents", "--"]
+    cmd = [*launch, *scenario.trainer_args(scenario.config), "--job.dump_folder", str(folder)]
     start = time.monotonic()
     rc, log = execute(call, folder.name, cmd, tree, run_env(scenario, [tree]), limit)
     out = {"command": shlex.join(cmd), "wall_s": round(time.monotonic() - start, 1)}

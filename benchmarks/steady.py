@@ -40,13 +40,17 @@ class Window:
         return self.end_step - self.steps + 1
 
 
+# logged figures whose median over the steady windows is kept: MFU, gradient bytes a rank sends per step
+MEDIANS = ("mfu", "comm/bytes_sent", "comm/bytes_uncompressed")
+
+
 class NoSteadyWindows(ValueError):
     """The run logged no window after its warm-up steps."""
 
 
 def figures(windows: Sequence[Window], warmup: int) -> dict[str, float]:
     """``tokens_per_sec_per_device`` and ``step_s`` (medians over the steady windows), ``first_step_s``,
-    the median of ``mfu`` where logged, ``peak_memory_gib`` / ``peak_reserved_gib`` (the largest logged),
+    the medians of MEDIANS where logged, ``peak_memory_gib`` / ``peak_reserved_gib`` (the largest logged),
     ``final_loss`` and ``steps``, ``steady_windows``."""
     if not windows:
         raise NoSteadyWindows("the run logged no training step")
@@ -60,9 +64,10 @@ def figures(windows: Sequence[Window], warmup: int) -> dict[str, float]:
            "step_s": step_s,
            "first_step_s": max(first.seconds - (first.steps - 1) * step_s, 0.0) if first.first_step == 1 else None,
            "steady_windows": len(steady), "steps": windows[-1].end_step}
-    mfu = [w.values["mfu"] for w in steady if "mfu" in w.values]
-    if mfu:
-        out["mfu"] = statistics.median(mfu)
+    for key in MEDIANS:
+        logged = [w.values[key] for w in steady if key in w.values]
+        if logged:
+            out[key] = statistics.median(logged)
     for key, name in (("memory_gib", "peak_memory_gib"), ("memory_reserved_gib", "peak_reserved_gib")):
         logged = [w.values[key] for w in windows if key in w.values]
         if logged:

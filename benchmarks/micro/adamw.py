@@ -2,11 +2,11 @@
 over the parameters of a bench model, with the trainer's device-side clip factor and skip flag.
 ``python benchmarks/micro/adamw.py [--experts 16] [--layers 8] [--steps 20]``
 
-The default model is one EP 4 rank of benchmarks/scenarios.toml's ``mode_ep4`` (d 2048, 8 layers, 16 of the
-64 experts, vocabulary 32000): every parameter float32 with a float32 gradient, as FSDP leaves them. Prints one JSON
-line per variant: ms per step (CUDA events over --steps steps after 3 warm-up steps), bytes moved at 28 per parameter and the
-bandwidth that makes, and the largest difference from torch's first update (same parameters and
-gradients) over the first COMPARED tensors.
+The default model is one EP 4 rank of benchmarks/scenarios.toml's ``mode_ep4`` (d 2048, 8 layers, 16 of
+the 64 experts, vocabulary 32000): every parameter float32 with a float32 gradient, as FSDP leaves them.
+Prints one JSON line per variant: ms per step (CUDA events over --steps steps after 3 warm-up steps), bytes
+moved at 28 per parameter and the bandwidth that makes, and the largest difference from torch's first update
+(same parameters and gradients) over the first COMPARED tensors.
 The ``blockN`` variants run the kernel alone over the parameters at other block sizes. Speed claims for
 training go through ``python -m torchtitan_ext.train``; this isolates the optimizer's share of them.
 """

@@ -51,8 +51,8 @@ for part in $PARTS; do
                    pids+=("$!")
                done
                continue ;;
-        squinch) STEPS=300 LIMIT=$(( DEADLINE / 2 - 10 )) RUNS="nodes2_bf16 nodes2_squinch" timeout "$DEADLINE" \
-                   bash benchmarks/bench_squinch_hsdp.sh "$W/squinch" > "$OUT/squinch.log" 2>&1 & ;;
+        squinch) timeout "$DEADLINE" python3 benchmarks/run.py nodes2_bf16 nodes2_squinch --steps 300 \
+                   --deadline "$DEADLINE" --out "$OUT/squinch" --work "$W/squinch" > "$OUT/squinch.log" 2>&1 & ;;
         faults) timeout "$DEADLINE" python3 tests/gpu_checks/two_nodes_faults.py "$W/faults" > "$OUT/faults.log" 2>&1 & ;;
     esac
     pids+=("$!")
