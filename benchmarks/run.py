@@ -17,6 +17,11 @@ environment sets OUT, to $OUT/<scenario>.jsonl as well, with the runs' logs in $
 (shared by the runs of one call), scenario, run, device, gpus, commit, command, status (ok or failed), wall_s,
 figures (benchmarks/steady.py: medians after the scenario's warm-up steps) and, for a failed run, error.
 --deadline S: no run starts with under 60 s of S left, and none runs past it (a skipped run's line says so).
+Exit code 0 when every run succeeded, 1 when one failed (its line says why), 2 for a bad argument or scenario.
+
+On a GPU machine, from the repository root, with .whl/ (torchao, torchtitan 0.2.0 and its needs) and
+.ttbench/ (the plain script, torchtitan's assets) carried:
+  WHEELS=.whl source benchmarks/device_prelude.sh && python3 benchmarks/run.py dense_1b --deadline 540
 """
 
 from __future__ import annotations
@@ -260,15 +265,16 @@ def ours(call: Call, scenario: Scenario, run: str, limit: float) -> dict:
         return {**out, "status": "failed", "error": failure(rc, log, limit)}
     if not (folder / "metrics.jsonl").is_file():
         return {**out, "status": "failed", "error": f"exit 0 but no {folder.name}/metrics.jsonl"}
-    return {**out, **measured(scenario, steady.ours(folder / "metrics.jsonl", max(scenario.gpus, 1)))}
+    processes = scenario.gpus or (4 if scenario.launcher != "torchrun" else 1)  # two_nodes.sh --cpu: 2 x 2
+    return {**out, **measured(scenario, steady.ours(folder / "metrics.jsonl", processes), processes)}
 
 
-def measured(scenario: Scenario, windows: list[steady.Window]) -> dict:
+def measured(scenario: Scenario, windows: list[steady.Window], processes: int) -> dict:
     try:
         figures = steady.figures(windows, scenario.warmup)
     except steady.NoSteadyWindows as e:
         return {"status": "failed", "error": str(e)}
-    figures["tokens_per_sec"] = figures["tokens_per_sec_per_device"] * max(scenario.gpus, 1)
+    figures["tokens_per_sec"] = figures["tokens_per_sec_per_device"] * processes
     return {"status": "ok", "figures": figures}
 
 
@@ -341,7 +347,7 @@ def torchtitan(call: Call, scenario: Scenario, limit: float) -> dict:
     if rc != 0:
         return {**out, "status": "failed", "error": failure(rc, log, limit)}
     tokens_per_step = scenario.batch * scenario.seq // scenario.model_parallel  # a device's
-    return {**out, **measured(scenario, steady.torchtitan(log, tokens_per_step))}
+    return {**out, **measured(scenario, steady.torchtitan(log, tokens_per_step), max(scenario.gpus, 1))}
 
 
 def run_scenario(call: Call, scenario: Scenario, device: str) -> list[dict]:
