@@ -146,6 +146,8 @@ def profile(trace_dir: Path, prefix: Path) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        sys.exit(__doc__)
+    if len(sys.argv) != 3 or not Path(sys.argv[1]).is_dir():
+        print("usage: python benchmarks/kernel_table.py TRACE_DIR OUT_PREFIX (TRACE_DIR: a run's profile folder)",
+              file=sys.stderr)
+        sys.exit(2)
     profile(Path(sys.argv[1]), Path(sys.argv[2]))

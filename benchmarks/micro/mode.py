@@ -52,9 +52,9 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got.double() - ref).norm() / ref.norm().clamp(min=1e-30)).item()
 
 
-def bench(fn, device: torch.device) -> float:
-    """Median milliseconds of ``fn`` after warm-up (benchmarks/steady.py)."""
-    return median_ms(fn, device=device.type)
+def bench(fn, device: torch.device, iters: int) -> float:
+    """Median milliseconds of ``fn`` over ``iters`` calls after warm-up (benchmarks/steady.py)."""
+    return median_ms(fn, iters=iters, device=device.type)
 
 
 def make_args(dim: int, experts: int, top_k: int, hidden: int) -> ModelArgs:
@@ -168,7 +168,7 @@ def check_layer(device: torch.device, try_compile: bool) -> dict:
 
 
 def time_config(device: torch.device, dtype: torch.dtype, dim: int, experts: int, top_k: int, hidden: int,
-                tokens: int, do_compile: bool, warmup_ms: float, rep_ms: float) -> dict:
+                tokens: int, do_compile: bool, iters: int) -> dict:
     args = make_args(dim, experts, top_k, hidden)
     moe = MoDE(args)
     init_layer(moe, seed=0)
@@ -199,12 +199,12 @@ def time_config(device: torch.device, dtype: torch.dtype, dim: int, experts: int
     row = {"dim": dim, "experts": experts, "top_k": top_k, "moe_hidden": hidden, "tokens": tokens,
            "gemm_flops": flops, "imbalance": (counts.max() / counts.float().mean()).item(),
            "empty_experts": int((counts == 0).sum())}
-    row["moe_ms"] = bench(fwd_bwd(moe, x, g), device, warmup_ms, rep_ms)
-    row["experts_ms"] = bench(fwd_bwd(moe.experts, xs, gs, counts), device, warmup_ms, rep_ms)
-    row["dense_ms"] = bench(fwd_bwd(dense, x, g), device, warmup_ms, rep_ms)
+    row["moe_ms"] = bench(fwd_bwd(moe, x, g), device, iters)
+    row["experts_ms"] = bench(fwd_bwd(moe.experts, xs, gs, counts), device, iters)
+    row["dense_ms"] = bench(fwd_bwd(dense, x, g), device, iters)
     with torch.no_grad():
-        row["moe_fwd_ms"] = bench(lambda: moe(x), device, warmup_ms, rep_ms)
-        row["dense_fwd_ms"] = bench(lambda: dense(x), device, warmup_ms, rep_ms)
+        row["moe_fwd_ms"] = bench(lambda: moe(x), device, iters)
+        row["dense_fwd_ms"] = bench(lambda: dense(x), device, iters)
     if do_compile:
         for name, module in (("moe", moe), ("dense", dense)):
             try:
@@ -214,7 +214,7 @@ def time_config(device: torch.device, dtype: torch.dtype, dim: int, experts: int
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 row[f"{name}_compile_s"] = round(time.perf_counter() - t0, 1)
-                row[f"{name}_compiled_ms"] = bench(fwd_bwd(compiled, x, g), device, warmup_ms, rep_ms)
+                row[f"{name}_compiled_ms"] = bench(fwd_bwd(compiled, x, g), device, iters)
             except Exception as e:
                 row[f"{name}_compiled_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
     for key in [k for k in row if k.endswith("_ms") and "fwd" not in k]:
@@ -266,7 +266,7 @@ def main() -> int:
     if opts.smoke:
         device, dtype = torch.device("cpu"), torch.float32
         dim, experts, top_k, tokens, hiddens = 64, 4, 2, [256], [32]
-        do_compile, warmup_ms, rep_ms = False, 0, 0  # CPU: the grouped GEMM loop breaks a full graph
+        do_compile, iters = False, 5  # CPU: the grouped GEMM loop breaks a full graph
     else:
         if not torch.cuda.is_available():
             print("no CUDA device: use --smoke for a CPU check of the script", file=sys.stderr)
@@ -275,7 +275,7 @@ def main() -> int:
         dim, experts, top_k = opts.dim, opts.experts, opts.top_k
         tokens = [int(t) for t in opts.tokens.split(",")]
         hiddens = [int(h) for h in opts.moe_hidden.split(",")]
-        do_compile, warmup_ms, rep_ms = not opts.no_compile, 200, 1000
+        do_compile, iters = not opts.no_compile, 50
 
     report: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                     "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."),
@@ -298,7 +298,7 @@ def main() -> int:
     for hidden in hiddens:
         for t in tokens:
             try:
-                row = time_config(device, dtype, dim, experts, top_k, hidden, t, do_compile, warmup_ms, rep_ms)
+                row = time_config(device, dtype, dim, experts, top_k, hidden, t, do_compile, iters)
             except Exception:
                 traceback.print_exc()
                 row = {"tokens": t, "moe_hidden": hidden, "error": traceback.format_exc(limit=1)[-300:]}
