@@ -7,7 +7,7 @@
 #
 # Data: the corpus benchmarks/make_corpus.py made with --vocab 8192 (carried in bench_data/code_doc_bpe8k:
 # 24.6M training tokens of Python sources and Debian documentation, 0.55M validation tokens held out by
-# document). torchao comes from the wheel in .whl/ (carry both).
+# document). torchao: carry .whl and `WHEELS=.whl source benchmarks/device_prelude.sh` first.
 #
 # Usage from the repository root on the GPU machine:
 #   benchmarks/time_to_loss.sh OUT PHASE... [-- overrides for every run]
