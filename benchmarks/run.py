@@ -1,6 +1,6 @@
 """Run benchmark scenarios and their baselines in one call; one JSON line per run in the results.
 
-  python benchmarks/run.py NAME... [--steps N] [--out DIR] [--deadline S] [--commit SHA]
+  python benchmarks/run.py NAME... [--steps N] [--out DIR] [--deadline S] [--runs RUN,...] [--commit SHA]
   python benchmarks/run.py --list
   python benchmarks/run.py --prepare-previous REF
 
@@ -350,10 +350,10 @@ def torchtitan(call: Call, scenario: Scenario, limit: float) -> dict:
     return {**out, **measured(scenario, steady.torchtitan(log, tokens_per_step), max(scenario.gpus, 1))}
 
 
-def run_scenario(call: Call, scenario: Scenario, device: str) -> list[dict]:
-    """Ours, then each baseline; one results line each, written as it finishes."""
+def run_scenario(call: Call, scenario: Scenario, device: str, only: list[str] | None) -> list[dict]:
+    """Ours, then each baseline (those of ``only``, when given); one results line each, written as it finishes."""
     lines = []
-    for run in ("ours", *scenario.baselines):
+    for run in (r for r in ("ours", *scenario.baselines) if only is None or r in only):
         limit = call.limit(scenario.timeout_s)
         if limit is None:
             result = {"status": "failed", "error": f"skipped: under {MIN_START_S} s left of --deadline"}
@@ -394,6 +394,14 @@ def summary_line(line: dict) -> str:
     return head + ", ".join(parts)
 
 
+def run_names(raw: str) -> list[str]:
+    """argparse type: a comma-separated list of ours and the baselines."""
+    names = [n for n in raw.split(",") if n]
+    if not names or any(n not in ("ours", *BASELINES) for n in names):
+        raise argparse.ArgumentTypeError(f"expected names among ours, {', '.join(BASELINES)}, got {raw!r}")
+    return names
+
+
 def parser() -> ArgumentParser:
     p = ArgumentParser(prog="python benchmarks/run.py", description=__doc__)
     p.add_argument("names", nargs="*", metavar="NAME", help="scenarios of benchmarks/scenarios.toml")
@@ -402,6 +410,8 @@ def parser() -> ArgumentParser:
     p.add_argument("--work", type=Path, default=Path("/tmp/bench_runs"), help="run folders and logs")
     p.add_argument("--deadline", type=positive_whole, metavar="S", help="seconds for the whole call")
     p.add_argument("--commit", help="the commit to record (default: git's, or .bench_previous/HEAD_COMMIT)")
+    p.add_argument("--runs", type=run_names, metavar="RUN,...",
+                   help="run only these of ours, previous, plain, torchtitan (default: all the scenario names)")
     p.add_argument("--plain", type=Path, help="the plain script (default: .ttbench/ or ../shared/bench/)")
     p.add_argument("--list", action="store_true", help="print the scenarios and exit")
     p.add_argument("--prepare-previous", metavar="REF", help="write REF's tree into the --previous folder, exit")
@@ -442,7 +452,8 @@ def main(argv: list[str]) -> int:
     failed = 0
     try:
         for scenario in chosen:
-            failed += sum(line["status"] != "ok" for line in run_scenario(call, scenario, device_name(scenario.gpus)))
+            lines = run_scenario(call, scenario, device_name(scenario.gpus), ns.runs)
+            failed += sum(line["status"] != "ok" for line in lines)
     finally:
         if os.environ.get("OUT") and call.logs:
             with tarfile.open(Path(os.environ["OUT"]) / "logs.tar.gz", "w:gz") as tar:

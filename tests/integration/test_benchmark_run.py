@@ -87,6 +87,12 @@ def test_a_failed_run_is_a_line_that_says_so(tmp_path, monkeypatch, capsys):
                                  "--prepare-previous REF` first"}
     (slow,) = _lines(tmp_path / "slow.jsonl")
     assert (slow["status"], slow["error"]) == ("failed", "stopped at its limit of 2 s")
+    # --runs: only the runs named (slow's one run, ours, is not among them)
+    code = run.run_tool(run.main, ["broken", "slow", "--scenarios", str(scenarios), "--out", str(tmp_path / "o"),
+                                   "--work", str(tmp_path / "w"), "--previous", str(tmp_path / "none"),
+                                   "--runs", "previous"])
+    assert code == 1 and sorted(p.name for p in (tmp_path / "o").iterdir()) == ["broken.jsonl"]
+    assert [x["run"] for x in _lines(tmp_path / "o" / "broken.jsonl")] == ["previous"]
 
 
 def _bad_scenarios(tmp_path: Path, text: str) -> str:
@@ -101,6 +107,8 @@ BAD_INPUT = {
     ("smoke_cpu", "--steps", "2"): "error: --steps 2: scenario smoke_cpu warms up for 2 steps; expected more",
     ("smoke_cpu", "--steps", "0"): "error: argument --steps: expected a finite number > 0, got '0'",
     ("smoke_cpu", "--bogus"): "error: unrecognized arguments: --bogus",
+    ("smoke_cpu", "--runs", "ours,nanogpt"):
+        "error: argument --runs: expected names among ours, previous, plain, torchtitan, got 'ours,nanogpt'",
     ("--prepare-previous", "no-such-ref"):
         "error: --prepare-previous no-such-ref: not a commit of this repository",
     ("x", "--scenarios", 'steps = "ten"'):
