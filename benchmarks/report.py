@@ -113,15 +113,23 @@ def summary_block(rows: list[dict]) -> str:
 
 
 def headline_block(rows: list[dict], names: list[str]) -> str:
+    """One row per scenario of ``names``: ours and its ratios from the latest call that compared it with a
+    baseline other than the previous commit (or with its reference), else its latest run alone."""
     out = [HEADLINE[0], "| scenario | tokens/s per GPU | against | device, date |", "|---|---:|---|---|"]
     for name in names:
         mine = [r for r in rows if r["scenario"] == name]
-        if not mine:
+        compared = [r for r in mine if r["theirs"] and r["baseline"] != "previous"]
+        if compared:
+            call = max(compared, key=lambda r: r["ours"]["date"])["ours"]["call"]
+            shown = [r for r in compared if r["ours"]["call"] == call]
+        else:
+            shown = [max(mine, key=lambda r: r["ours"]["date"])] if mine else []
+        if not shown:
             continue
-        latest = max((r["ours"] for r in mine), key=lambda x: x["date"])
-        against = "; ".join(f"{_ratio(r)} {_label(r)}" for r in mine if r["theirs"] and r["baseline"] != "previous")
-        out.append(f"| `{name}` | {latest['figures'][FIGURE]:,.0f} | {against or '-'} | "
-                   f"{latest['device']}, {latest['date'][:10]} |")
+        ours = shown[0]["ours"]
+        against = "; ".join(f"{_ratio(r)} {_label(r)}" for r in shown if r["theirs"])
+        out.append(f"| `{name}` | {ours['figures'][FIGURE]:,.0f} | {against or '-'} | "
+                   f"{ours['device']}, {ours['date'][:10]} |")
     out += ["", "From `benchmarks/results/` by `python benchmarks/report.py`; more in "
             "[benchmarks/RESULTS.md](benchmarks/RESULTS.md).", HEADLINE[1]]
     return "\n".join(out)
