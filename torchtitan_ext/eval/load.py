@@ -12,9 +12,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed.checkpoint as dcp
 
 from torchtitan_ext.checkpoint.manager import complete_steps, load_on_one_process
+from torchtitan_ext.checkpoint.safe_reader import checkpoint_metadata
 from torchtitan_ext.config.job_config import JobConfig
 from torchtitan_ext.config.loader import parse_args
 from torchtitan_ext.data.filters import model_scores
@@ -106,8 +106,7 @@ def load_trained(path: str | Path, device: str | torch.device = "cpu", cfg: JobC
 def load_ema(model: Decoder, checkpoint: Path) -> bool:
     """Copy the checkpoint's EMA weights into ``model`` (from :func:`load_trained`) when the job kept a started
     EMA; whether it did."""
-    if not any(key.startswith("ema.") for key in dcp.FileSystemReader(str(checkpoint)).read_metadata()
-               .state_dict_metadata):
+    if not any(key.startswith("ema.") for key in checkpoint_metadata(checkpoint)):
         return False
     shadow = {f"shadow.{n}": torch.empty_like(p, dtype=torch.float32) for n, p in model.named_parameters()}
     state = {"ema": {"started": torch.tensor(0), **shadow}}

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from torchtitan_ext.checkpoint.manager import load_on_one_process, unreadable_reason
+from torchtitan_ext.checkpoint.safe_reader import UnsafeCheckpointFile, checkpoint_metadata
 from torchtitan_ext.errors import ConfigError
 from torchtitan_ext.hf.architectures import ExportError, HFLayout, hf_layout, remote_code_files, stacked
 from torchtitan_ext.hf.safetensors_io import plan_shards, shard_files, write_index, write_shard
@@ -181,7 +181,9 @@ def export_checkpoint(checkpoint: str | Path, args: ModelArgs, output: str | Pat
     out = _check_output(output)
     checkpoint = Path(checkpoint)
     try:
-        metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+        metadata = checkpoint_metadata(checkpoint)
+    except UnsafeCheckpointFile:
+        raise
     except Exception as e:  # noqa: BLE001  a missing or damaged .metadata
         raise ConfigError(f"{checkpoint}: cannot read this checkpoint ({unreadable_reason(e)})") from None
     if weights == "ema":
