@@ -53,7 +53,7 @@ def _main(argv: list[str]) -> int:
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     out = Path(args.output or folder / f"export-int{args.bits}.pt")
     torch.save(export(state, args.bits), out)
-    model.load_state_dict(dequantize(torch.load(out, weights_only=False)))
+    model.load_state_dict(dequantize(torch.load(out, weights_only=True)))
     quantized = val_loss()
     bf16 = sum(2 * t.numel() for t in state.values())
     size = out.stat().st_size
