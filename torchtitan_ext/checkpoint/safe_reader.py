@@ -23,6 +23,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import re
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
@@ -107,11 +108,11 @@ class _SafeBytes:
             torch.load(io.BytesIO(data), weights_only=True)
         except pickle.UnpicklingError as e:
             file = Path(self._reader.path) / self._reader.storage_data[read_item.storage_index].relative_path
-            why = next((line.strip().rstrip(".") for line in str(e).splitlines()
-                        if "GLOBAL" in line or "Unsupported" in line), "not a plain value")[:160]
+            asked = re.search(r"GLOBAL ([\w.]+)", str(e))
+            what = f"it asks for {asked[1]}" if asked else "it is not a plain value"
             raise UnsafeCheckpointFile(
-                f"{file}: refused the entry {read_item.dest_index.fqn}, which the weights-only unpickler does not "
-                f"admit ({why}): a file that would run code when loaded; use a checkpoint from a source you "
+                f"{file}: refused the entry {read_item.dest_index.fqn} ({what}, which the weights-only unpickler "
+                f"does not admit): a file that would run code when loaded; use a checkpoint from a source you "
                 f"trust") from None
         self._planner.load_bytes(read_item, io.BytesIO(data))  # only what weights_only admitted
 
