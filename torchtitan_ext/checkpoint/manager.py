@@ -77,6 +77,7 @@ from torchtitan_ext.checkpoint.integrity import (
 )
 from torchtitan_ext.checkpoint.run_folder import (
     STEP_DIR,
+    complete_steps,
     os_error_text,
     published_steps,
     read_identity,
@@ -241,11 +242,6 @@ def unreadable_reason(e: BaseException) -> str:
         failure = next(iter(e.failures.values()))
         e = failure[0] if isinstance(failure, tuple) else failure
     return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
-
-
-def complete_steps(folder: Path) -> list[int]:
-    """Steps with a finished checkpoint in ``folder``, ascending."""
-    return [s for s in published_steps(folder) if (folder / f"step-{s}" / ".metadata").is_file()]
 
 
 class CheckpointManager:

@@ -183,6 +183,11 @@ def published_steps(folder: Path) -> list[int]:
     return sorted(int(m[1]) for d in folder.iterdir() if (m := STEP_DIR.match(d.name)) and d.is_dir())
 
 
+def complete_steps(folder: Path) -> list[int]:
+    """Steps with a finished checkpoint in ``folder``, ascending."""
+    return [s for s in published_steps(folder) if (folder / f"step-{s}" / ".metadata").is_file()]
+
+
 def previous_run_files(dump: Path, checkpoint_folder: str) -> list[str]:
     """What another run left in ``dump`` that a start from step 0 would overwrite: checkpoints, metrics."""
     found = []

@@ -29,6 +29,7 @@ from torchtitan_ext.hf.architectures import ExportError, HFLayout, hf_layout, re
 from torchtitan_ext.hf.safetensors_io import plan_shards, shard_files, write_index, write_shard
 from torchtitan_ext.models.args import ModelArgs
 from torchtitan_ext.models.decoder import Decoder
+from torchtitan_ext.outputs import new_output
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +90,7 @@ def _entries(layout: HFLayout, sources: dict[str, tuple[tuple[int, ...], torch.d
 
 
 def _check_output(output: str | Path) -> Path:
-    out = Path(output).expanduser()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ExportError(f"--output {out}: exists and is not an empty folder (the export writes a new one)")
-    return out
+    return new_output("--output", output, folder=True)
 
 
 def _write_folder(out: Path, layout: HFLayout, args: ModelArgs,
