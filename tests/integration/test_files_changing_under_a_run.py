@@ -129,3 +129,26 @@ def test_a_shard_truncated_while_training_stops_in_one_line_and_the_run_resumes_
     steps = [r["step"] for r in read_metrics(dump)]
     assert steps[-2:] == [saved + 1, saved + 2]
     assert json.loads((dump / "run.json").read_text())["starts"][-1]["step"] == saved
+
+
+def test_a_truncated_run_json_is_said_and_kept_aside_on_resume(checkpointed_run, tmp_path):
+    """The resume used to rewrite a truncated run.json silently (the first start's record, and with it the
+    changed-settings check, lost); now it is renamed aside unchanged, one line says so, and the new record
+    starts with this start."""
+    import shutil
+
+    dump = tmp_path / "run"
+    shutil.copytree(checkpointed_run, dump, ignore=shutil.ignore_patterns(".lock"))
+    whole = (dump / "run.json").read_bytes()
+    (dump / "run.json").write_bytes(whole[:len(whole) // 2])
+    proc = run_trainer(dump, 0, *CKPT_EVERY_2, "--training.steps", "6")
+    aside = list(dump.glob("run-damaged-*.json"))
+    assert len(aside) == 1 and aside[0].read_bytes() == whole[:len(whole) // 2]
+    lines = [line for line in proc.stdout.splitlines() if "run.json" in line]
+    assert len(lines) == 1 and lines[0].startswith(f"warning: {dump / 'run.json'} is damaged (JSONDecodeError: "), \
+        proc.stdout[-3000:]
+    assert lines[0].endswith(f"); kept aside as {aside[0]}; this start begins a new record, so the settings of the "
+                             f"starts before it are not compared with this one's")
+    record = json.loads((dump / "run.json").read_text())
+    assert [s["step"] for s in record["starts"]] == [4] and record["first_identity"] == record["identity"]
+    assert [r["step"] for r in read_metrics(dump)][-2:] == [5, 6]
