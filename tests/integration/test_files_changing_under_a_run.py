@@ -152,3 +152,28 @@ def test_a_truncated_run_json_is_said_and_kept_aside_on_resume(checkpointed_run,
     record = json.loads((dump / "run.json").read_text())
     assert [s["step"] for s in record["starts"]] == [4] and record["first_identity"] == record["identity"]
     assert [r["step"] for r in read_metrics(dump)][-2:] == [5, 6]
+
+
+def test_a_sidecar_shortened_under_a_student_run_is_one_line(tmp_path):
+    """A teacher sidecar is read by the student's run the same way: its rows by pread, a shortened file one
+    line naming it (the ShardError the trainer ends on, exit 2) rather than SIGBUS."""
+    import pytest
+
+    from torchtitan_ext.data.shards import ShardError
+    from torchtitan_ext.distill.sidecar import Sidecar
+
+    tokens = (np.arange(4097) % 200).astype(np.int64)
+    path = tmp_path / "train_000.bin.topk"
+    side = Sidecar.create(path, 4, 256, tokens, 64)
+    side.tokens[:] = 7
+    side.set_windows_done(side.n_windows())
+    del side
+    side = Sidecar(path)
+    assert side.tokens[1].tolist() == [7] * 4 and side.tokens[1:65].shape == (64, 4)
+    size = path.stat().st_size
+    os.truncate(path, size // 2)
+    with pytest.raises(ShardError) as changed:
+        side.tokens[4000:4064]
+    assert str(changed.value) == (f"{path}: the sidecar changed while this run read it ({size} bytes when the run "
+                                  f"opened it, {size // 2} now); restore the file and start the job again: it "
+                                  f"resumes from its last checkpoint")

@@ -8,7 +8,7 @@ and uint32 for version 2 (our extension for vocabularies over 65,535).
 beyond the model's vocabulary stops the job before any work rather than at the batch that holds it; the
 largest id of each shard is cached by path, size and mtime, so a large dataset is read once.
 
-A shard is read through ``ShardTokens``, never a live memory map: a mapped file truncated while a run reads
+A shard is read through ``FileArray``, never a live memory map: a mapped file truncated while a run reads
 it kills the process with SIGBUS (exit 135, no line) at the first page past its new end. Each read compares
 the file's size and modification time with those checked when it was opened, so a shard shortened or
 rewritten in place under a run stops it with a ``ShardError`` naming the file (the run resumes from its last
@@ -61,35 +61,39 @@ def write_shard(path: str | os.PathLike, tokens: np.ndarray) -> None:
 _READ_CHUNK = 1 << 30  # bytes per pread: Linux returns at most ~2 GiB from one call
 
 
-class ShardTokens:
-    """A shard's tokens, read on demand with ``os.pread`` from a descriptor held open: ``len``, slices (each a
-    read-only array of the slice's tokens) and ``np.asarray`` (all of them), like the memmap it replaces."""
+class FileArray:
+    """A read-only array of ``shape`` stored in a file at ``offset``, read on demand with ``os.pread`` from a
+    descriptor it owns (``fd``): ``len``, an index or a slice of rows (a read-only array of them) and
+    ``np.asarray`` (all of it), like the memmap it replaces. Each read checks the file's size and modification
+    time against those at opening: ``ShardError`` naming the file (``what`` it is) when it changed."""
 
-    def __init__(self, path: Path, fd: int, dtype: np.dtype, count: int):
-        self.path, self.dtype, self.count = path, dtype, count
+    def __init__(self, path: Path, fd: int, dtype: np.dtype, offset: int, shape: tuple[int, ...], what: str):
+        self.path, self.dtype, self.shape, self.what = path, np.dtype(dtype), shape, what
+        self._offset, self._row_bytes = offset, self.dtype.itemsize * int(np.prod(shape[1:], dtype=np.int64))
         st = os.fstat(fd)
         self._fd, self._stamp = fd, (st.st_size, st.st_mtime_ns)
         weakref.finalize(self, os.close, fd)
 
     def __len__(self) -> int:
-        return self.count
+        return self.shape[0]
 
-    @property
-    def shape(self) -> tuple[int]:
-        return (self.count,)
-
-    def __getitem__(self, key: slice) -> np.ndarray:
-        if not isinstance(key, slice):
-            raise TypeError(f"{self.path}: shard tokens are read by slices, not {type(key).__name__}")
-        start, stop, step = key.indices(self.count)
-        n = max(0, stop - start)
-        tokens = np.frombuffer(self._read(HEADER_BYTES + start * self.dtype.itemsize, n * self.dtype.itemsize),
-                               self.dtype)
-        return tokens[::step] if step != 1 else tokens
+    def __getitem__(self, key: int | slice) -> np.ndarray:
+        if isinstance(key, slice):
+            start, stop, step = key.indices(len(self))
+            rows = self._rows(start, max(0, stop - start))
+            return rows[::step] if step != 1 else rows
+        index = int(key)
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"{self.path}: row {index} of {len(self)}")
+        return self._rows(index % len(self), 1)[0]
 
     def __array__(self, dtype: np.dtype | None = None, copy: bool | None = None) -> np.ndarray:
-        tokens = self[:]
-        return tokens if dtype is None else tokens.astype(dtype)
+        rows = self[:]
+        return rows if dtype is None else rows.astype(dtype)
+
+    def _rows(self, start: int, n: int) -> np.ndarray:
+        data = self._read(self._offset + start * self._row_bytes, n * self._row_bytes)
+        return np.frombuffer(data, self.dtype).reshape((n, *self.shape[1:]))
 
     def _read(self, offset: int, nbytes: int) -> bytes:
         self._check()
@@ -111,12 +115,12 @@ class ShardTokens:
     def _changed(self, size: int) -> ShardError:
         was = self._stamp[0]
         how = f"{was} bytes when the run opened it, {size} now" if size != was else "rewritten in place"
-        return ShardError(f"{self.path}: the shard changed while this run read it ({how}); restore the file and "
-                          f"start the job again: it resumes from its last checkpoint")
+        return ShardError(f"{self.path}: the {self.what} changed while this run read it ({how}); restore the file "
+                          f"and start the job again: it resumes from its last checkpoint")
 
 
-def read_shard(path: str | os.PathLike) -> ShardTokens | np.ndarray:
-    """The shard's tokens (``ShardTokens``; an empty array for an empty shard), after checking its header and
+def read_shard(path: str | os.PathLike) -> FileArray | np.ndarray:
+    """The shard's tokens (a ``FileArray``; an empty array for an empty shard), after checking its header and
     length; ShardError naming the file when it is not valid."""
     path = Path(path)
     fd = os.open(path, os.O_RDONLY)
@@ -127,7 +131,7 @@ def read_shard(path: str | os.PathLike) -> ShardTokens | np.ndarray:
         raise
 
 
-def _checked(path: Path, fd: int) -> ShardTokens | np.ndarray:
+def _checked(path: Path, fd: int) -> FileArray | np.ndarray:
     size = os.fstat(fd).st_size
     if size < HEADER_BYTES:
         raise ShardError(f"{path}: {size} bytes is shorter than the {HEADER_BYTES}-byte shard header")
@@ -148,7 +152,7 @@ def _checked(path: Path, fd: int) -> ShardTokens | np.ndarray:
     if count == 0:
         os.close(fd)
         return np.zeros(0, dtype=DTYPES[version])
-    return ShardTokens(path, fd, np.dtype(DTYPES[version]).newbyteorder("<"), count)
+    return FileArray(path, fd, np.dtype(DTYPES[version]).newbyteorder("<"), HEADER_BYTES, (count,), "shard")
 
 
 def list_shards(pattern: str, key: str) -> list[Path]:
