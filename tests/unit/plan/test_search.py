@@ -4,6 +4,7 @@ memory model fits; its step-time rules; rankings with a known answer; its comman
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -211,3 +212,26 @@ def test_float8_without_activation_checkpointing_pays_its_fused_kernel():
     for argv, ac in ((EIGHT_B + F8_FSDP, "selective"), (EIGHT_B, "none")):  # the measured rows' arguments
         best = search(parse_args(argv.split()), 4, 139 * GIB).ranked[0]
         assert (best.plan.dims.dp_shard, best.cfg.activation_checkpoint.mode) == (4, ac), best.overrides()
+
+
+def test_a_huge_gpu_count_answers_within_its_time_budget():
+    """A billion GPUs: the divisors come from the prime factors, the layouts are pruned (TP within a node, PP
+    at most the layers), and the search stops after its time budget with the layouts it tried ranked and the
+    untried ones counted; the command line says so in one line."""
+    cfg = parse_args(DENSE_1B)
+    start = time.monotonic()
+    result = search(cfg, 10**9, 80 * GIB, seconds=1.0)
+    assert time.monotonic() - start < 8.0
+    assert result.ranked and result.untried > 0
+    assert all(c.plan.dims.tp <= 8 and c.plan.world == 10**9 for c in result.ranked)
+    assert search(cfg, 10**9, 80 * GIB, seconds=1.0).ranked[0].layout == result.ranked[0].layout  # simplest first
+
+
+def test_cli_search_budget_line(capsys):
+    assert main([*DENSE_1B, "--gpus", "1000000000", "--search", "--search-seconds", "1", "--top", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    budget = [line for line in out if line.startswith("time budget: ")]
+    assert len(budget) == 1 and "layouts left untried after 1 s (--search-seconds" in budget[0], out
+    assert main([*DENSE_1B, "--gpus", "8", "--search", "--search-seconds", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "--search-seconds: expected a finite number > 0" in err[0]
