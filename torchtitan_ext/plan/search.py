@@ -356,7 +356,7 @@ def search(cfg: JobConfig, gpus: int, device_bytes: float, hw: Hardware = Hardwa
             result.untried = len(layouts) - index
             break
         fits = []
-        dp = gpus // (par["tp"] * par["pp"])
+        dp = gpus // (par["tp"] * par["pp"] * par["cp"])
         for micro in (MICRO_SEQUENCES if par["pp"] > 1 else (0,)):
             # local batches the trainer takes: G a multiple of local x dp, under PP a whole number >= pp of
             # micro-batches of ``micro`` sequences

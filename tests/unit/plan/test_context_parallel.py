@@ -144,3 +144,13 @@ def test_1b_at_128k_on_one_h200_gets_an_ac_that_fits():
     assert none.peak > H200
     best = search(cfg, 1, H200).ranked[0]
     assert best.cfg.activation_checkpoint.mode in ("selective", "full") and best.plan.peak <= H200
+
+
+def test_search_counts_cp_ranks_out_of_the_data_parallel_degree():
+    """One sequence per step on 8 GPUs: only layouts with one data-parallel rank take it, CP 8 among them (the cp
+    ranks of a data-parallel rank read the same batch)."""
+    cfg = parse_args([*TINY, "--training.seq_len", "65536", "--training.local_batch_size", "1",
+                      "--training.global_batch_size", "1"])
+    result = search(cfg, 8, 80 * GIB)
+    assert result.ranked and all(c.plan.dims.dp == 1 for c in result.ranked)
+    assert any(c.plan.cp == 8 for c in result.ranked)
