@@ -9,9 +9,9 @@ OUT="${1:-${OUT:-/tmp/bench_attention}}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
-timeout 120 python3 benchmarks/bench_attention.py check 2>&1 | grep -E "^check|Error" | tail -5
-timeout 200 python3 benchmarks/bench_attention.py speed 2048 16 4 2>&1 | grep -vi warn | tail -4
-timeout 150 python3 benchmarks/bench_attention.py speed 8192 4 1 2>&1 | grep -vi warn | tail -4
+timeout 120 python3 benchmarks/micro/attention.py check 2>&1 | grep -E "^check|Error" | tail -5
+timeout 200 python3 benchmarks/micro/attention.py speed 2048 16 4 2>&1 | grep -vi warn | tail -4
+timeout 150 python3 benchmarks/micro/attention.py speed 8192 4 1 2>&1 | grep -vi warn | tail -4
 zreg() {
     local name=$1; shift
     timeout 200 python3 -m torchtitan_ext.train --model.flavor debug --data.tokenizer byte --training.seq_len 512 \

@@ -18,7 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import steady  # noqa: E402  (this folder)
 
 
 def read_metrics(folder: Path) -> list[dict]:
@@ -30,7 +34,7 @@ def training_clock(rows: list[dict]) -> list[tuple[int, float, float, float | No
     windows = [r for r in rows if "tokens_per_sec" in r and r["tokens_per_sec"] > 0]
     if not windows:
         raise ValueError("no logged training windows")
-    median = statistics.median(r["tokens_per_sec"] for r in windows[1:] or windows)
+    median = steady_rate(rows)
     out, seen, with_compile, without = [], 0, 0.0, 0.0
     for i, row in enumerate(rows):
         if "tokens_per_sec" in row and row["tokens_per_sec"] > 0:
@@ -40,6 +44,15 @@ def training_clock(rows: list[dict]) -> list[tuple[int, float, float, float | No
             seen = row["tokens"]
         out.append((seen, with_compile, without, row.get("val_bpb")))
     return out
+
+
+def steady_rate(rows: list[dict]) -> float:
+    """Tokens/s after the first logged window (benchmarks/steady.py's rule, its warm-up that window), or the one
+    window's rate."""
+    spans = steady.windows(rows)
+    if len(spans) == 1:
+        return spans[0].tokens / spans[0].seconds
+    return steady.figures(spans, warmup=spans[0].end_step)["tokens_per_sec_per_device"]
 
 
 def crossing(clock: list[tuple[int, float, float, float | None]], target: float) -> dict | None:
@@ -63,7 +76,7 @@ def summarize(folder: Path, target: float | None) -> dict:
     final = [c[3] for c in clock if c[3] is not None]
     out = {"run": folder.name, "final_val_bpb": final[-1] if final else None, "tokens": clock[-1][0],
            "train_seconds": clock[-1][1], "train_seconds_no_compile": clock[-1][2],
-           "median_tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in rows if "tokens_per_sec" in r)}
+           "median_tokens_per_sec": steady_rate(rows)}
     if target is not None:
         out["to_target"] = crossing(clock, target)
     return out

@@ -7,7 +7,7 @@
 #
 # Data: the corpus benchmarks/make_corpus.py made with --vocab 8192 (carried in bench_data/code_doc_bpe8k:
 # 24.6M training tokens of Python sources and Debian documentation, 0.55M validation tokens held out by
-# document). torchao comes from the wheel in .whl/ (carry both).
+# document). torchao: carry .whl and `WHEELS=.whl source benchmarks/device_prelude.sh` first.
 #
 # Usage from the repository root on the GPU machine:
 #   benchmarks/time_to_loss.sh OUT PHASE... [-- overrides for every run]
@@ -47,8 +47,8 @@ if [ "${SMOKE:-0}" = 1 ]; then
            --training.steps 8 --eval.interval 4 --eval.steps 2 --metrics.log_freq 2 --float8.enabled false
            --lr_scheduler.warmup_steps 2 --job.device cpu)
 else
-    source benchmarks/torchao_wheel.sh
-    use_torchao_wheel time_to_loss || exit 1
+    python3 -c "import torchao" 2>/dev/null \
+        || { echo "time_to_loss: torchao is not importable (source benchmarks/device_prelude.sh first)"; exit 1; }
 fi
 [ -f "$CORPUS/tokenizer.model" ] || { echo "time_to_loss: no corpus in $CORPUS (benchmarks/make_corpus.py)"; exit 1; }
 

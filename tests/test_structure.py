@@ -1,4 +1,4 @@
-"""The package's shape (benchmarks/structure.py): the layering the README's architecture section describes."""
+"""The package's shape (tests/structure.py): the layering the README's architecture section describes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ PACKAGE = REPO / "torchtitan_ext"
 
 
 def _report() -> dict:
-    spec = importlib.util.spec_from_file_location("structure", REPO / "benchmarks" / "structure.py")
+    spec = importlib.util.spec_from_file_location("structure", REPO / "tests" / "structure.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.report(PACKAGE)

@@ -40,9 +40,7 @@ def setup_logging(rank: int | None = None, log_file: str | Path | None = None) -
     with ``log_file`` every other rank writes its own to that file (rank 0's console lines reach its file
     through ``rank_log``)."""
     if rank is None:
-        from torchtitan_ext.parallel.dims import launch_env
-
-        rank = launch_env().get("RANK", 0)  # RANK=abc: one line naming it, not int()'s traceback
+        rank = _launch_env().get("RANK", 0)  # RANK=abc: one line naming it, not int()'s traceback
     logger = logging.getLogger("torchtitan_ext")
     for handler in list(logger.handlers):
         logger.removeHandler(handler)
@@ -58,6 +56,16 @@ def setup_logging(rank: int | None = None, log_file: str | Path | None = None) -
         handler = logging.NullHandler()
     handler.setFormatter(logging.Formatter("%(message)s"))
     logger.addHandler(handler)
+
+
+def _launch_env() -> dict[str, int]:
+    """``parallel.dims.launch_env()``, imported (with torch) only when a launcher set one of its variables: a
+    tool run by hand checks its arguments and paths before anything imports torch."""
+    if not any(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")):
+        return {}
+    from torchtitan_ext.parallel.dims import launch_env
+
+    return launch_env()
 
 
 class _QuietFileHandler(logging.FileHandler):
@@ -167,14 +175,11 @@ def user_error(e: ValueError) -> UserError:
 def run_tool(main: Callable[[list[str]], int | None], argv: list[str] | None = None) -> int:
     """Run ``main(argv)``; a user mistake is one line and exit code 2, a run that stopped itself one line and
     exit code 3; the process group, if one was started, is destroyed. An unexpected exception on a rank of a
-    multi-process job prints its traceback and ends the process at once (exit code 1)."""
-    import torch.distributed as dist
-
+    multi-process job prints its traceback and ends the process at once (exit code 1). torch is not imported
+    here: a tool imports it after checking its arguments."""
     argv = sys.argv[1:] if argv is None else argv
     try:
-        from torchtitan_ext.parallel.dims import launch_env
-
-        launch_env()  # WORLD_SIZE=abc: one line naming it, before any tool reads it
+        _launch_env()  # WORLD_SIZE=abc: one line naming it, before any tool reads it
         if not logging.getLogger("torchtitan_ext").handlers:
             setup_logging()
         return main(argv) or EXIT_OK
@@ -194,7 +199,7 @@ def run_tool(main: Callable[[list[str]], int | None], argv: list[str] | None = N
         print("error: interrupted (SIGINT): stopped at once", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     except Exception:
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if _process_group_size() > 1:
             # The other ranks may wait in a collective or a pipeline receive this rank will never join, and
             # destroying an NCCL process group with work in flight waits for them: a pipeline schedule's error
             # on one rank hung its job until the test's timeout on 4 H200s. Leave at once instead; torchrun
@@ -203,8 +208,14 @@ def run_tool(main: Callable[[list[str]], int | None], argv: list[str] | None = N
             exit_now(EXIT_FAILED)
         raise
     finally:
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        if _process_group_size() > 0:
+            sys.modules["torch.distributed"].destroy_process_group()
+
+
+def _process_group_size() -> int:
+    """The world size of the process group this process started, 0 when none (or torch was never imported)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist.get_world_size() if dist is not None and dist.is_available() and dist.is_initialized() else 0
 
 
 def exit_now(code: int) -> None:

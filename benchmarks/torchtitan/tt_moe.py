@@ -1,7 +1,8 @@
 # Registers the "zen_moe" flavor of torchtitan 0.2.0's qwen3 MoE (no patch to torchtitan itself): imported through
 # [experimental] custom_import = "tt_moe" (this folder on PYTHONPATH) before the trainer looks the flavor up.
-# The shape of benchmarks/bench_mode_scale.sh's MoDE model: d_model 2048, 16 heads (8 KV) of head_dim 128, 8 layers,
-# every layer MoE with 64 SwiGLU experts of hidden 1408, top-2, no shared expert, vocabulary 32000, untied head.
+# The shape of the mode_ep4 scenario's MoDE model (benchmarks/scenarios.toml): d_model 2048, 16 heads (8 KV) of
+# head_dim 128, 8 layers, every layer MoE with 64 SwiGLU experts of hidden 1408, top-2, no shared expert,
+# vocabulary 32000, untied head.
 # Differences from our MoDE model (torchtitan_ext, mode_debug flavor resized), none of which changes the GEMM shapes:
 #   - qk_norm off here to match ours (qwen3's flavors have it on);
 #   - routing: both softmax over the router logits, top-2, gates renormalised to sum to 1 (route_norm); torchtitan

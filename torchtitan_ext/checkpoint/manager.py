@@ -77,12 +77,14 @@ from torchtitan_ext.checkpoint.integrity import (
 )
 from torchtitan_ext.checkpoint.run_folder import (
     STEP_DIR,
+    complete_steps,
     os_error_text,
     published_steps,
     read_identity,
     unique,
     utc_stamp,
 )
+from torchtitan_ext.checkpoint.safe_reader import UnsafeCheckpointFile, checkpoint_metadata, safe_load
 from torchtitan_ext.config.job_config import CheckpointSection
 from torchtitan_ext.config.loader import model_table
 from torchtitan_ext.errors import ConfigError, UserError
@@ -212,7 +214,8 @@ def _said(value: Any) -> str:
 def load_on_one_process(state: dict, checkpoint: Path, advice: str = "name an earlier step-N folder") -> None:
     """``dcp.load`` of ``state`` (the whole model, or any subset of the checkpoint's tensors) by one process
     without a process group, as the tools read a run's checkpoint; a truncated or missing shard or a bad
-    pickle is one line naming the folder, followed by ``advice``."""
+    pickle is one line naming the folder, followed by ``advice``; a file that would run code is refused
+    (``UnsafeCheckpointFile``, naming it)."""
     try:
         files = read_manifest(checkpoint)
         damage = first_damage(checkpoint, files) if files is not None else None
@@ -223,7 +226,9 @@ def load_on_one_process(state: dict, checkpoint: Path, advice: str = "name an ea
     with warnings.catch_warnings():  # one process reading every rank's shards is the intent here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
-            dcp.load(state, checkpoint_id=str(checkpoint))
+            safe_load(state, checkpoint)
+        except UnsafeCheckpointFile:
+            raise
         except (Exception, CheckpointException) as e:
             if (stop := interrupt_in(e)) is not None:
                 raise stop from None
@@ -237,11 +242,6 @@ def unreadable_reason(e: BaseException) -> str:
         failure = next(iter(e.failures.values()))
         e = failure[0] if isinstance(failure, tuple) else failure
     return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
-
-
-def complete_steps(folder: Path) -> list[int]:
-    """Steps with a finished checkpoint in ``folder``, ascending."""
-    return [s for s in published_steps(folder) if (folder / f"step-{s}" / ".metadata").is_file()]
 
 
 class CheckpointManager:
@@ -323,7 +323,7 @@ class CheckpointManager:
         return {k: v for d in every for k, v in (d or {}).items()}
 
     def _saved_shapes(self, path: Path) -> dict[str, tuple]:
-        meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        meta = checkpoint_metadata(path)
         return {k.removeprefix("model."): tuple(v.size) for k, v in meta.items()
                 if k.startswith("model.") and hasattr(v, "size")}
 
@@ -357,24 +357,29 @@ class CheckpointManager:
         why = self._verify(path)
         if why is not None:
             return why
-        failed = mismatch = None
+        failed = mismatch = refused = None
         try:
             if model_shapes:
                 advice = "; ".join(config_changes(self.dump, self.job, ("model.", "float8.")))
                 mismatch = model_mismatch(self._saved_shapes(path), model_shapes,
                                           *([advice] if advice else []))
             if mismatch is None:
-                dcp.load(self.states, checkpoint_id=str(path))
+                safe_load(self.states, path)
+        except UnsafeCheckpointFile as e:  # not damage: a folder to refuse, not to skip for an older step
+            refused = str(e)
         except (Exception, CheckpointException) as e:  # damage the checksums cannot see, or another job's state
             if (stop := interrupt_in(e)) is not None:
                 raise stop from None
             failed = unreadable_reason(e)
         reasons: list[tuple | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(reasons, (failed, mismatch))
-        mismatch = next((m for _, m in reasons if m is not None), None)
+        dist.all_gather_object(reasons, (failed, mismatch, refused))
+        refused = next((r for _, _, r in reasons if r is not None), None)
+        if refused is not None:
+            raise UnsafeCheckpointFile(refused)
+        mismatch = next((m for _, m, _ in reasons if m is not None), None)
         if mismatch is not None:
             raise CheckpointMismatch(f"{path}: {mismatch}")
-        failed = next((w for w, _ in reasons if w is not None), None)
+        failed = next((w for w, _, _ in reasons if w is not None), None)
         changes = config_changes(self.dump, self.job) if failed is not None else []
         if changes:
             intact = " is intact (checksums verified) but" if self._verified_as == "verified" else ""

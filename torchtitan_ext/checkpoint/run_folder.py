@@ -11,7 +11,9 @@
   into ``<dump>/previous-<UTC time>/`` (nothing is deleted). A restarted worker of the same elastic job
   (``TORCHELASTIC_RESTART_COUNT`` > 0) continues the same run and is let through.
 * ``RunIdentity``: ``<dump>/run.json`` records what the run is (model arguments, seq_len, global batch, seed,
-  data sources) at its first start; a resume names each change in one line.
+  data sources) at its first start; a resume names each change in one line. A damaged run.json (truncated,
+  not JSON, not a record) is never replaced silently: it is renamed to ``run-damaged-<UTC time>.json`` with
+  one line saying so, and the start begins a new record.
 * ``keep_config``: each start's resolved config is kept: ``config.toml`` for the current one, the earlier ones
   as ``config-<UTC time>.toml``.
 """
@@ -23,6 +25,7 @@ import dataclasses
 import errno
 import fcntl
 import json
+import logging
 import os
 import re
 import socket
@@ -32,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from torchtitan_ext.errors import UserError
+
+log = logging.getLogger(__name__)
 
 LOCK_FILE = ".lock"
 RUN_FILE = "run.json"
@@ -183,6 +188,11 @@ def published_steps(folder: Path) -> list[int]:
     return sorted(int(m[1]) for d in folder.iterdir() if (m := STEP_DIR.match(d.name)) and d.is_dir())
 
 
+def complete_steps(folder: Path) -> list[int]:
+    """Steps with a finished checkpoint in ``folder``, ascending."""
+    return [s for s in published_steps(folder) if (folder / f"step-{s}" / ".metadata").is_file()]
+
+
 def previous_run_files(dump: Path, checkpoint_folder: str) -> list[str]:
     """What another run left in ``dump`` that a start from step 0 would overwrite: checkpoints, metrics."""
     found = []
@@ -303,16 +313,33 @@ def read_identity(dump: Path) -> dict | None:
 def write_identity(dump: Path, ident: dict, step: int) -> None:
     """run.json: the identity at the first start, the current one, and each start's step."""
     path = dump / RUN_FILE
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
-        record = {}
+    record = _previous_record(path)
     record.setdefault("first_identity", ident)
     record["identity"] = ident
     record.setdefault("starts", []).append({"time": utc_stamp(), "step": step})
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(record, indent=1) + "\n")
     os.replace(tmp, path)
+
+
+def _previous_record(path: Path) -> dict:
+    """run.json's record ({} when there is none); a damaged one is renamed aside, said in one line."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return {}
+    try:
+        record = json.loads(text)
+        if not isinstance(record, dict) or not isinstance(record.get("starts", []), list):
+            raise ValueError(f"a JSON {type(record).__name__}, not a run record")
+    except ValueError as e:  # truncated, not JSON, not UTF-8, another structure
+        aside = unique(path.with_name(f"run-damaged-{utc_stamp()}.json"))
+        os.replace(path, aside)
+        why = str(e).strip().splitlines()[0][:120] if str(e).strip() else "empty"
+        log.info(f"warning: {path} is damaged ({type(e).__name__}: {why}); kept aside as {aside}; this start "
+                 f"begins a new record, so the settings of the starts before it are not compared with this one's")
+        return {}
+    return record
 
 
 def keep_config(dump: Path, text: str) -> None:

@@ -93,12 +93,34 @@ class NearDuplicates:
             other = self.buckets[band].get(key)
             if other is not None and np.mean(self.signatures[other] == sig) > self.threshold:
                 return "near"
+        self._record(digest, sig, keys)
+        return None
+
+    def _record(self, digest: bytes, sig: np.ndarray, keys: list[bytes]) -> None:
         doc = len(self.signatures)
         self.signatures.append(sig)
         self.exact.add(digest)
         for band, key in enumerate(keys):
             self.buckets[band].setdefault(key, doc)
-        return None
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The index as plain arrays (the kept documents' signatures in order, their SHA-1 digests), from
+        which :meth:`from_arrays` rebuilds it exactly: a saved state that holds no pickled object."""
+        digests = np.frombuffer(b"".join(sorted(self.exact)), np.uint8).reshape(-1, 20)
+        signatures = np.stack(self.signatures) if self.signatures else np.zeros((0, NUM_PERM), np.uint64)
+        return {"signatures": signatures, "digests": digests}
+
+    @classmethod
+    def from_arrays(cls, threshold: float, signatures: np.ndarray, digests: np.ndarray) -> NearDuplicates:
+        """The index that :meth:`arrays` saved: the buckets are refilled in the documents' order, so each
+        band keeps its first document as before."""
+        index = cls(threshold)
+        for sig in signatures.astype(np.uint64):
+            index.signatures.append(sig)
+            for band in range(BANDS):
+                index.buckets[band].setdefault(sig[band * ROWS:(band + 1) * ROWS].tobytes(), len(index.signatures) - 1)
+        index.exact = {bytes(d) for d in digests.astype(np.uint8)}
+        return index
 
 
 def model_scores(texts: list[str], model, tok, device, max_tokens: int = 2048, batch_size: int = 16) -> np.ndarray:

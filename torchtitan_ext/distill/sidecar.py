@@ -12,13 +12,14 @@ token count, window length and checksum match the shard, and checks every batch 
 
 from __future__ import annotations
 
+import os
 import zlib
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from torchtitan_ext.data.shards import ShardError
+from torchtitan_ext.data.shards import FileArray, ShardError
 
 MAGIC, VERSION, HEADER_INTS = 20241124, 1, 256
 ROW_BYTES_PER_K = 4 + 4 + 4
@@ -38,7 +39,8 @@ def shard_checksum(tokens: np.ndarray) -> int:
 
 
 class Sidecar:
-    """Memory-mapped arrays of one sidecar file; ``create`` makes a new (or reopens a partial) one."""
+    """The arrays of one sidecar file, read with ``os.pread`` (``FileArray``) in mode "r", memory-mapped for
+    the teacher pass that writes them (mode "r+"); ``create`` makes a new (or reopens a partial) one."""
 
     def __init__(self, path: Path, mode: str = "r"):
         self.path = path
@@ -56,9 +58,15 @@ class Sidecar:
             raise SidecarError(f"{path}: {path.stat().st_size} bytes, expected {expect} for k = {self.k} and "
                                f"{self.n_tokens} tokens (truncated or corrupted)")
         off, rows = HEADER_INTS * 4, (self.n_tokens, self.k)
-        self.tokens = np.memmap(path, np.int32, mode, off, rows)
-        self.log_probs = np.memmap(path, np.float32, mode, off + self.n_tokens * self.k * 4, rows)
-        self.thresholds = np.memmap(path, np.float32, mode, off + self.n_tokens * self.k * 8, rows)
+        offsets = (off, off + self.n_tokens * self.k * 4, off + self.n_tokens * self.k * 8)
+        if mode == "r":  # read by a training run: pread, never a map that a shortened file turns into SIGBUS
+            self.tokens, self.log_probs, self.thresholds = (
+                FileArray(path, os.open(path, os.O_RDONLY), dtype, at, rows, "sidecar")
+                for dtype, at in zip((np.int32, np.float32, np.float32), offsets, strict=True))
+        else:  # written by the teacher pass, its own file
+            self.tokens, self.log_probs, self.thresholds = (
+                np.memmap(path, dtype, mode, at, rows)
+                for dtype, at in zip((np.int32, np.float32, np.float32), offsets, strict=True))
 
     @classmethod
     def create(cls, path: Path, k: int, vocab: int, shard_tokens: np.ndarray, window: int) -> Sidecar:

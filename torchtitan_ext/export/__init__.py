@@ -1,24 +1,21 @@
-"""Hugging Face export (``python -m torchtitan_ext.export``) of a run's checkpoint; the conversion is ``hf/``."""
+"""Hugging Face export (``python -m torchtitan_ext.export``) of a run's checkpoint; the conversion is ``hf/``.
+
+``export_run`` (``run.py``) and ``load_hf`` (``hf/load.py``) are imported on first use: the package itself
+imports no torch, so the command checks its arguments and paths before the seconds that import takes."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import Any
 
-import torch
-
-from torchtitan_ext.data.chat import DEFAULT_TEMPLATE
-from torchtitan_ext.eval.load import trained_run
-from torchtitan_ext.hf.export import DEFAULT_SHARD_SIZE, ExportResult, export_checkpoint
-from torchtitan_ext.hf.load import load_hf  # noqa: F401  (README: torchtitan_ext.export.load_hf)
+_LAZY = {"export_run": "torchtitan_ext.export.run", "load_hf": "torchtitan_ext.hf.load"}
 
 
-def export_run(checkpoint: str | Path, output: str | Path, *, dtype: torch.dtype = torch.bfloat16,
-               max_shard_size: int = DEFAULT_SHARD_SIZE, weights: str = "model") -> tuple[Path, ExportResult]:
-    """(checkpoint folder read, what was written) for a dump folder (its latest checkpoint) or a ``step-N``
-    folder: the run's ``config.toml`` gives the model's shape and its ``tokenizer/`` folder the tokenizer;
-    the weights stream from the checkpoint one shard at a time (never the whole model in memory)."""
-    ckpt, cfg, tok, args = trained_run(checkpoint)
-    if cfg.data.dataset == "chat" and tok is not None and not tok.chat_template:
-        tok.chat_template = DEFAULT_TEMPLATE  # what the run rendered its conversations with
-    return ckpt, export_checkpoint(ckpt, args, output, dtype=dtype, max_shard_size=max_shard_size, tokenizer=tok,
-                                   weights=weights)
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_LAZY[name]), name)
+
+
+__all__ = list(_LAZY)

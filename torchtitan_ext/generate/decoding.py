@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from torchtitan_ext.errors import UserError
+from torchtitan_ext.generate.options import check_sampling
 from torchtitan_ext.models.decoder import Decoder
 
 CACHE_SLOTS = 256  # cache lengths are a multiple of this (up to max_seq_len): fewer shapes to compile
@@ -229,10 +230,12 @@ def complete(checkpoint: str | Path, prompts: list[str], max_new_tokens: int = 6
     available; ``compile`` None compiles on CUDA only. UserError (one line) for a bad checkpoint or request."""
     from torchtitan_ext.eval.load import load_trained
 
-    if max_new_tokens < 1 or not 0 < top_p <= 1 or temperature < 0:
-        raise UserError("expected --max-new-tokens >= 1, 0 < --top-p <= 1, --temperature >= 0")
+    check_sampling(max_new_tokens, temperature, top_p)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: this torch sees no CUDA device (a CPU build, or no GPU visible); use "
+                        "--device cpu or auto")
     compiled = device == "cuda" if compile is None else compile
     model, tok, _, ckpt = load_trained(checkpoint, device)
     ids = [[int(i) for i in tok.encode(text)] for text in prompts]

@@ -21,14 +21,15 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from torchtitan_ext.checkpoint.manager import load_on_one_process, unreadable_reason
+from torchtitan_ext.checkpoint.safe_reader import UnsafeCheckpointFile, checkpoint_metadata
 from torchtitan_ext.errors import ConfigError
 from torchtitan_ext.hf.architectures import ExportError, HFLayout, hf_layout, remote_code_files, stacked
 from torchtitan_ext.hf.safetensors_io import plan_shards, shard_files, write_index, write_shard
 from torchtitan_ext.models.args import ModelArgs
 from torchtitan_ext.models.decoder import Decoder
+from torchtitan_ext.outputs import new_output
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +90,7 @@ def _entries(layout: HFLayout, sources: dict[str, tuple[tuple[int, ...], torch.d
 
 
 def _check_output(output: str | Path) -> Path:
-    out = Path(output).expanduser()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ExportError(f"--output {out}: exists and is not an empty folder (the export writes a new one)")
-    return out
+    return new_output("--output", output, folder=True)
 
 
 def _write_folder(out: Path, layout: HFLayout, args: ModelArgs,
@@ -181,7 +179,9 @@ def export_checkpoint(checkpoint: str | Path, args: ModelArgs, output: str | Pat
     out = _check_output(output)
     checkpoint = Path(checkpoint)
     try:
-        metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+        metadata = checkpoint_metadata(checkpoint)
+    except UnsafeCheckpointFile:
+        raise
     except Exception as e:  # noqa: BLE001  a missing or damaged .metadata
         raise ConfigError(f"{checkpoint}: cannot read this checkpoint ({unreadable_reason(e)})") from None
     if weights == "ema":

@@ -5,16 +5,22 @@ estimates, not measurements; the rules are deliberately few so that a ranking ca
 Candidates, for N GPUs and a global batch G (``training.global_batch_size``; when -1,
 ``training.local_batch_size`` x N sequences), every one checked by the trainer's own validation
 (``estimate.check_trainer_layout``; a ConfigError skips it):
-  * every factorisation N = pp x dp_replicate x dp_shard x tp (FSDP2; HSDP where dp_replicate > 1) and, for a
-    MoDE model, every ep dividing dp_shard (``parallel/dims.py``: EP borrows its ranks from dp_shard; under TP
-    the experts are sharded over ep x tp);
+  * every factorisation N = pp x dp_replicate x dp_shard x cp x tp (FSDP2 over dp_shard x cp; HSDP where
+    dp_replicate > 1) and, for a MoDE model, every ep dividing dp_shard (``parallel/dims.py``: EP borrows its
+    ranks from dp_shard; under TP the experts are sharded over ep x tp); pruned to what can win: tp within a
+    node (dividing the GPUs per node), pp at most the layers, cp where 2 x cp x tp divides seq_len and each rank
+    keeps at least MIN_CP_TOKENS of a sequence, each cp with the ring scheme and, where the heads per TP rank
+    divide by cp, the all-to-all one; ep dividing the experts;
   * pp > 1: 1F1B, and Interleaved1F1B with 2 virtual stages; micro-batches of 1, 2, 4 or 8 sequences;
   * activation checkpointing none, selective (op-level) or full;
   * the local batch: the largest divisor of G / dp that fits (memory grows with it, step time does not).
 Each layout (with its schedule) keeps its fastest AC setting and batch; layouts rank by step time, then memory.
+Layouts are tried simplest first (fewest pipeline stages, then TP, CP and replicas); the search stops after
+``seconds`` (``--search-seconds``) and says how many it did not try, so that any GPU count answers in seconds.
 
 Step time of one optimizer step (the global batch) on every GPU:
-  compute   = the trainer's MFU FLOPs (``metrics.logger.flops_per_token``) x G x seq_len / N / (peak x MFU);
+  compute   = the trainer's MFU FLOPs (``metrics.logger.flops_per_token``), with attention's counted causal
+              (half: the fused kernels skip the masked blocks), x G x seq_len / N / (peak x MFU);
               peak 989 TFLOP/s (H100 bf16 dense), MFU 0.45 (``Hardware``; one H100 measured 0.54-0.55 on the
               compiled 1b and 8B in issue 42; uncompiled MoDE with small experts will be lower). Smaller GEMMs
               under TP, MoDE load imbalance and kernel launch costs are not modelled. With ``float8.enabled``
@@ -36,7 +42,10 @@ Step time of one optimizer step (the global batch) on every GPU:
               bandwidth: its collectives are many and mid-sized (four per layer and pass, one activation each)
               and each one holds up the next GEMM. Data-parallel traffic (FSDP all-gather and reduce-scatter,
               HSDP / DDP all-reduce) overlaps compute except FSDP_EXPOSED of it and all of what exceeds the
-              compute time; TP, EP all-to-all and pipeline sends are on the critical path.
+              compute time; TP, EP all-to-all and pipeline sends are on the critical path. Context parallelism:
+              the ring's K/V transfers overlap the attention on the block already there ((cp - 1) / cp of the
+              attention time, recomputed attention included), only what exceeds it is exposed (head-tail chunks
+              give every ring step the same work); the all-to-all scheme's exchanges are on the critical path.
   optimizer = the AdamW step and gradient clipping over the rank's parameters: OPTIMIZER_BYTES_PER_PARAM bytes
               each through HBM at ``Hardware.memory_bw`` (achieved, 2.6 TB/s on an H100). Once per optimizer
               step, so it weighs on layouts that put few tokens through each rank per step.
@@ -46,11 +55,15 @@ Step time of one optimizer step (the global batch) on every GPU:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torchtitan_ext.config.job_config import JobConfig
 from torchtitan_ext.errors import ConfigError, UserError
+from torchtitan_ext.models.args import ModelArgs
 from torchtitan_ext.plan.estimate import F32, GIB, PARAMS, Plan, param_groups, plan
 
 # Share of the step's compute that op-level selective AC adds (1b, fused CE: 90,811 vs 93,644 tokens/s).
@@ -86,6 +99,10 @@ MICRO_SEQUENCES = (1, 2, 4, 8)  # sequences per pipeline micro-batch tried
 DATA_PARALLEL_DIMS = ("dp_shard", "dp_replicate", "dp")
 AC_MODES = ("none", "selective", "full")
 PP_SCHEDULES = (("1F1B", 1), ("Interleaved1F1B", 2))
+# Fewest tokens of each sequence a context-parallel rank keeps in the search: below it the K/V transfers of a
+# ring step outlast its attention work, and the GEMMs get small.
+MIN_CP_TOKENS = 4096
+SEARCH_SECONDS = 20.0  # the search's default time budget
 
 
 @dataclass(frozen=True)
@@ -128,7 +145,7 @@ def global_batch(cfg: JobConfig, gpus: int) -> int:
     """Sequences per optimizer step that every candidate trains on: the config's, or as the trainer derives it,
     its local batch times the data-parallel degree (the ``gpus`` over the config's TP and PP degrees)."""
     t, par = cfg.training, cfg.parallelism
-    return t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * (gpus // (par.tp * par.pp))
+    return t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * (gpus // (par.tp * par.pp * par.cp))
 
 
 def spans_nodes(stride: int, size: int, gpus: int, gpus_per_node: int) -> bool:
@@ -140,11 +157,12 @@ def spans_nodes(stride: int, size: int, gpus: int, gpus_per_node: int) -> bool:
 
 def dimension_spans(p: Plan, hw: Hardware) -> dict[str, bool]:
     """Per mesh dimension named in ``estimate.communication``'s keys: whether its groups cross nodes. The
-    world is ``pp x dp_replicate x dp_shard x tp`` with tp innermost (``parallel/dims.py``); ep is the inner
-    part of dp_shard."""
-    d = p.dims
-    groups = {"tp": (1, d.tp), "ep": (d.tp, d.ep), "dp_shard": (d.tp, d.dp_shard), "dp": (d.tp, d.dp),
-              "dp_replicate": (d.tp * d.dp_shard, d.dp_replicate), "pp": (d.tp * d.dp, d.pp)}
+    world is ``pp x dp_replicate x dp_shard x cp x tp`` with tp innermost (``parallel/dims.py``); ep is the inner
+    part of dp_shard; FSDP's collectives ("dp_shard") run over dp_shard x cp."""
+    d, cp = p.dims, p.cp
+    groups = {"tp": (1, d.tp), "cp": (d.tp, cp), "ep": (d.tp * cp, d.ep), "dp_shard": (d.tp, d.dp_shard * cp),
+              "dp": (d.tp, d.dp), "dp_replicate": (d.tp * cp * d.dp_shard, d.dp_replicate),
+              "pp": (d.tp * cp * d.dp, d.pp)}
     return {k: spans_nodes(stride, size, p.world, hw.gpus_per_node) for k, (stride, size) in groups.items()}
 
 
@@ -157,8 +175,11 @@ def step_time(cfg: JobConfig, p: Plan, hw: Hardware) -> StepTime:
     counts = count_params(a)
     active = counts["active"] - (0 if a.tie_embeddings else counts["embedding"])  # as the trainer's MFU
     tokens = global_batch(cfg, p.world) * t.seq_len
-    per_token = flops_per_token(active, a.n_layers, a.n_heads, a.hdim, t.seq_len)
+    attention = (flops_per_token(active, a.n_layers, a.n_heads, a.hdim, t.seq_len)
+                 - flops_per_token(active, a.n_layers, a.n_heads, a.hdim, 0)) / 2  # causal: half the scores
+    per_token = flops_per_token(active, a.n_layers, a.n_heads, a.hdim, 0) + attention
     compute = per_token * tokens / p.world / (hw.peak_flops * hw.mfu)
+    attention_time = attention * tokens / p.world / (hw.peak_flops * hw.mfu)
     if cfg.float8.enabled and (speedup := FLOAT8_GEMM_SPEEDUP.get(cfg.float8.recipe)):
         groups = param_groups(a)
         share = 6 * (groups["matrices"] + (groups["head"] if cfg.float8.include_output else 0)) / per_token
@@ -166,9 +187,12 @@ def step_time(cfg: JobConfig, p: Plan, hw: Hardware) -> StepTime:
         if cfg.float8.recipe == "tensorwise" and t.compile and ac.mode == "none":
             compute *= 1 + FLOAT8_NO_AC_FUSION
     if ac.mode == "full":
-        recompute = compute / 3
+        recompute, attention_time = compute / 3, attention_time * 4 / 3
+    elif ac.mode == "selective" and ac.selective_every:
+        recompute = compute / (3 * ac.selective_every)
+        attention_time *= 1 + 1 / (3 * ac.selective_every)
     elif ac.mode == "selective":
-        recompute = compute / (3 * ac.selective_every) if ac.selective_every else compute * SELECTIVE_RECOMPUTE
+        recompute = compute * SELECTIVE_RECOMPUTE
     else:
         recompute = 0.0
     bubble = passes = 0.0
@@ -184,6 +208,8 @@ def step_time(cfg: JobConfig, p: Plan, hw: Hardware) -> StepTime:
         dim = key.split()[0]
         bw = hw.inter_node_bw if spans[dim] else hw.tp_bw if dim == "tp" else hw.intra_node_bw
         seconds[dim] = seconds.get(dim, 0.0) + nbytes / bw
+    if "cp" in seconds and p.cp_scheme == "ring":  # hidden behind the attention on the block already there
+        seconds["cp"] = max(0.0, seconds["cp"] - attention_time * (p.cp - 1) / p.cp)
     data_parallel = sum(v for k, v in seconds.items() if k in DATA_PARALLEL_DIMS)
     if data_parallel:
         exposed = max(FSDP_EXPOSED * data_parallel, data_parallel - compute - recompute) / data_parallel
@@ -213,6 +239,8 @@ class Candidate:
             parts.append(f"FSDP {d.dp_shard}")
         if d.ep > 1:
             parts[-1] += f" (EP {d.ep})"
+        if self.plan.cp > 1:
+            parts.append(f"CP {self.plan.cp} ({self.plan.cp_scheme})")
         if d.tp > 1:
             parts.append(f"TP {d.tp}")
         return " x ".join(parts) or "1 GPU"
@@ -224,7 +252,9 @@ class Candidate:
     def overrides(self) -> list[str]:
         """The ``--section.key value`` arguments that give this candidate's layout, AC and batch."""
         par, t = self.cfg.parallelism, self.cfg.training
-        out = [f"--parallelism.{k} {getattr(par, k)}" for k in ("dp_replicate", "dp_shard", "tp", "pp", "ep")]
+        out = [f"--parallelism.{k} {getattr(par, k)}" for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")]
+        if par.cp > 1:
+            out.append(f"--parallelism.cp_scheme {par.cp_scheme}")
         if par.pp > 1:
             out += [f"--parallelism.pp_schedule {par.pp_schedule}",
                     f"--parallelism.pp_virtual_stages {par.pp_virtual_stages}",
@@ -247,24 +277,46 @@ class SearchResult:
     layouts: int = 0  # (layout, schedule, micro-batch size, AC) combinations tried
     refused: int = 0  # of which the trainer's validation refused
     smallest: Candidate | None = None
+    untried: int = 0  # layouts (with their schedule) left when the time budget ran out
+    seconds: float = SEARCH_SECONDS  # the time budget
 
 
-def _divisors(n: int) -> list[int]:
-    return [i for i in range(1, n + 1) if n % i == 0]
+@functools.lru_cache(maxsize=64)
+def _divisors(n: int) -> tuple[int, ...]:
+    """The divisors of ``n`` in increasing order, from its prime factors (fast for any GPU count)."""
+    primes: dict[int, int] = {}
+    rest, f = n, 2
+    while f * f <= rest:
+        while rest % f == 0:
+            primes[f] = primes.get(f, 0) + 1
+            rest //= f
+        f += 1
+    if rest > 1:
+        primes[rest] = primes.get(rest, 0) + 1
+    out = [1]
+    for prime, power in primes.items():
+        out = [d * prime**k for d in out for k in range(power + 1)]
+    return tuple(sorted(out))
 
 
-def _layouts(gpus: int, n_experts: int) -> list[dict]:
-    """Every ``parallelism`` setting for ``gpus`` ranks (FSDP2 mode; ep only for a MoDE model)."""
+def _layouts(gpus: int, args: ModelArgs, seq_len: int, gpus_per_node: int) -> list[dict]:
+    """The ``parallelism`` settings tried for ``gpus`` ranks (FSDP2 mode; ep only for a MoDE model; the pruning
+    rules: the module docstring), simplest first."""
     out = []
-    for tp in _divisors(gpus):
-        for pp in _divisors(gpus // tp):
-            dp = gpus // (tp * pp)
-            for rep in _divisors(dp):
-                shard = dp // rep
-                for ep in (_divisors(shard) if n_experts else [1]):
-                    schedules = PP_SCHEDULES if pp > 1 else (("1F1B", 1),)
-                    out += [dict(dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, ep=ep, dp_mode="fsdp",
-                                 pp_schedule=s, pp_virtual_stages=v) for s, v in schedules]
+    for tp in (t for t in _divisors(gpus) if gpus_per_node % t == 0):
+        for cp in (c for c in _divisors(gpus // tp) if seq_len % (2 * c * tp) == 0
+                   and (c == 1 or seq_len // c >= MIN_CP_TOKENS)):
+            schemes = ("ring", "alltoall") if cp > 1 and (args.n_heads // tp) % cp == 0 else ("ring",)
+            for pp in (p for p in _divisors(gpus // (tp * cp)) if p <= args.n_layers):
+                dp = gpus // (tp * cp * pp)
+                for rep in _divisors(dp):
+                    shard = dp // rep
+                    eps = [e for e in _divisors(shard) if args.n_experts % e == 0] if args.n_experts else [1]
+                    for ep, scheme in itertools.product(eps, schemes):
+                        schedules = PP_SCHEDULES if pp > 1 else (("1F1B", 1),)
+                        out += [dict(dp_replicate=rep, dp_shard=shard, cp=cp, cp_scheme=scheme, tp=tp, pp=pp, ep=ep,
+                                     dp_mode="fsdp", pp_schedule=s, pp_virtual_stages=v) for s, v in schedules]
+    out.sort(key=lambda par: (par["pp"], par["tp"], par["cp"], par["dp_replicate"]))
     return out
 
 
@@ -276,9 +328,11 @@ def _with(cfg: JobConfig, par: dict, ac: str, local_batch: int, gbs: int, pp_mic
         training=dataclasses.replace(cfg.training, local_batch_size=local_batch, global_batch_size=gbs))
 
 
-def search(cfg: JobConfig, gpus: int, device_bytes: float, hw: Hardware = Hardware()) -> SearchResult:
+def search(cfg: JobConfig, gpus: int, device_bytes: float, hw: Hardware = Hardware(),
+           seconds: float = SEARCH_SECONDS) -> SearchResult:
     """Every layout of ``cfg``'s model on ``gpus`` GPUs that the trainer accepts and that fits
-    ``device_bytes`` per GPU, ranked by expected step time (the rules: the module docstring)."""
+    ``device_bytes`` per GPU, ranked by expected step time, as many as ``seconds`` allow (the rules: the
+    module docstring)."""
     from torchtitan_ext.data.tokenizers import vocab_size_of
     from torchtitan_ext.models.flavors import resolve_model_args
 
@@ -286,7 +340,8 @@ def search(cfg: JobConfig, gpus: int, device_bytes: float, hw: Hardware = Hardwa
         raise UserError(f"the GPU count is {gpus}: expected a whole number >= 1")
     args = resolve_model_args(cfg, vocab_size_of(cfg.data.tokenizer, cfg.data.tokenizer_vocab_size))
     gbs = global_batch(cfg, gpus)
-    result = SearchResult(gpus, gbs, device_bytes, hw)
+    result = SearchResult(gpus, gbs, device_bytes, hw, seconds=seconds)
+    deadline = time.monotonic() + seconds
 
     def evaluate(c: JobConfig) -> Candidate:
         p = plan(c, gpus)
@@ -295,9 +350,13 @@ def search(cfg: JobConfig, gpus: int, device_bytes: float, hw: Hardware = Hardwa
             result.smallest = cand
         return cand
 
-    for par in _layouts(gpus, args.n_experts):
+    layouts = _layouts(gpus, args, cfg.training.seq_len, hw.gpus_per_node)
+    for index, par in enumerate(layouts):
+        if time.monotonic() > deadline:
+            result.untried = len(layouts) - index
+            break
         fits = []
-        dp = gpus // (par["tp"] * par["pp"])
+        dp = gpus // (par["tp"] * par["pp"] * par["cp"])
         for micro in (MICRO_SEQUENCES if par["pp"] > 1 else (0,)):
             # local batches the trainer takes: G a multiple of local x dp, under PP a whole number >= pp of
             # micro-batches of ``micro`` sequences
@@ -364,6 +423,8 @@ def search_report(r: SearchResult, model: str, top: int) -> list[str]:
              f"{min(r.gpus, r.hw.gpus_per_node)}), {r.device_bytes / GIB:g} GiB each; global batch {r.global_batch} "
              f"sequences; {r.layouts} combinations of layout, schedule, micro-batch size and AC, {r.refused} refused "
              f"by the trainer's checks; {len(r.ranked)} layouts fit",
+             *([f"time budget: {r.untried} layouts left untried after {r.seconds:g} s (--search-seconds; layouts "
+                "are tried simplest first)"] if r.untried else []),
              assumptions(r.hw),
              f"{'#':>3}  {'layout':<58} {'AC':<9} {'batch':>9} {'GiB/GPU':>8} {'step':>9} {'tok/s/GPU':>10}"]
     for i, c in enumerate(r.ranked[:top], 1):

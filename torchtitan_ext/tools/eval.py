@@ -17,10 +17,11 @@ from __future__ import annotations
 import json
 import sys
 
-import torch
-
 from torchtitan_ext import cli
+from torchtitan_ext.config.job_config import JobSection
 from torchtitan_ext.config.loader import parse_args
+from torchtitan_ext.errors import ConfigError
+from torchtitan_ext.eval.locate import config_dump_folder, find_checkpoint
 
 
 def parser() -> cli.ArgumentParser:
@@ -30,22 +31,23 @@ def parser() -> cli.ArgumentParser:
 
 
 def _main(argv: list[str]) -> int:
-    from torchtitan_ext.config.job_config import JobSection
-    from torchtitan_ext.errors import ConfigError
-    from torchtitan_ext.eval.load import config_dump_folder, load_trained
-    from torchtitan_ext.eval.validation import evaluate_model
-
     ns, rest = parser().parse_known_args(argv)
     cfg = parse_args(cli.job_argv(ns, rest))
-    device = "cuda" if cfg.job.device != "cpu" and torch.cuda.is_available() else "cpu"
     dump, note = config_dump_folder(ns.config, cfg, rest)
-    try:
-        model, tok, _, ckpt = load_trained(dump, device, cfg=cfg)
+    try:  # before the imports below take their seconds
+        find_checkpoint(dump, cfg)
     except ConfigError as e:
         if cfg.job.dump_folder != JobSection().dump_folder or (dump / cfg.checkpoint.folder).is_dir():
             raise
         raise ConfigError(f"{e}; that is the default job.dump_folder (evaluate a run with --config "
                           "DUMP/config.toml)") from None
+    import torch
+
+    from torchtitan_ext.eval.load import load_trained
+    from torchtitan_ext.eval.validation import evaluate_model
+
+    device = "cuda" if cfg.job.device != "cpu" and torch.cuda.is_available() else "cpu"
+    model, tok, _, ckpt = load_trained(dump, device, cfg=cfg)
     print(f"eval: read checkpoint {ckpt}{f' ({note})' if note else ''}", file=sys.stderr, flush=True)
     val, metrics, scored = evaluate_model(model, tok, cfg)  # val_bpb and per-domain figures
     print(json.dumps({"checkpoint": str(ckpt), "stride": cfg.eval.stride or cfg.training.seq_len,

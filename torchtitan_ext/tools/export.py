@@ -12,19 +12,19 @@ from __future__ import annotations
 
 import sys
 
-import torch
-
 from torchtitan_ext import cli
 from torchtitan_ext.errors import EXIT_INTERRUPTED, UserError
+from torchtitan_ext.eval.locate import find_checkpoint
+from torchtitan_ext.outputs import new_output
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+DTYPES = ("bfloat16", "float32")
 
 
 def parser() -> cli.ArgumentParser:
     p = cli.ArgumentParser(prog="python -m torchtitan_ext.export", description=__doc__)
     p.add_argument("--checkpoint", required=True, help="dump folder (latest checkpoint) or a step-N folder")
     p.add_argument("--output", required=True, help="new (or empty) folder for the Hugging Face files")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16", help="dtype of the tensors written")
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="dtype of the tensors written")
     p.add_argument("--max-shard-size", default="5GB",
                    help="largest safetensors file (5GB, 500MB, 2MiB or bytes); one file when the model fits")
     p.add_argument("--weights", choices=("model", "ema"), default="model",
@@ -33,16 +33,20 @@ def parser() -> cli.ArgumentParser:
 
 
 def _main(argv: list[str]) -> int:
-    from torchtitan_ext.export import export_run
+    args = parser().parse_args(argv)
+    find_checkpoint(args.checkpoint)  # the paths are checked before the imports below take their seconds
+    new_output("--output", args.output, folder=True)
+    import torch
+
+    from torchtitan_ext.export.run import export_run
     from torchtitan_ext.hf.safetensors_io import parse_size
     from torchtitan_ext.metrics.logger import os_error_text
 
-    args = parser().parse_args(argv)
     # The folder is written under a temporary name beside --output and renamed at the end (hf/export.py): a
     # failure or an interrupt removes it, so --output is either complete or absent; the checkpoint is only read.
     kept = f"nothing written at {args.output} (the partial folder was removed); the checkpoint is untouched"
     try:
-        ckpt, result = export_run(args.checkpoint, args.output, dtype=DTYPES[args.dtype],
+        ckpt, result = export_run(args.checkpoint, args.output, dtype=getattr(torch, args.dtype),
                                   max_shard_size=parse_size(args.max_shard_size), weights=args.weights)
     except OSError as e:  # a full disk, a read-only or forbidden folder: the file, the system's reason
         where = f"{e.filename}: " if e.filename else ""

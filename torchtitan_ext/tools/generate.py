@@ -13,6 +13,8 @@ import json
 import sys
 
 from torchtitan_ext import cli
+from torchtitan_ext.eval.locate import find_checkpoint
+from torchtitan_ext.generate.options import check_sampling
 
 
 def parser() -> cli.ArgumentParser:
@@ -31,9 +33,11 @@ def parser() -> cli.ArgumentParser:
 
 
 def _main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    check_sampling(args.max_new_tokens, args.temperature, args.top_p)
+    find_checkpoint(args.checkpoint)  # a folder without a checkpoint: said before the imports below
     from torchtitan_ext.generate.decoding import complete
 
-    args = parser().parse_args(argv)
     out = complete(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed,
                    args.device, args.compile)
     print(f"generate: read checkpoint {out.checkpoint}", file=sys.stderr, flush=True)

@@ -7,9 +7,10 @@ Per rank: parameters, gradients, optimizer state, FSDP's unsharded copies, saved
 configured activation checkpointing and without), the logits / cross-entropy buffers, the bytes each mesh
 dimension moves per step, whether the peak fits the device memory (``torchtitan_ext/plan/estimate.py``) and
 the expected step time. With --search: every layout the trainer accepts on N GPUs (pp x dp_replicate x
-dp_shard x tp, ep for MoDE, 1F1B / Interleaved1F1B, activation checkpointing, local batch), the fastest that
-fit, and the chosen one's overrides (``torchtitan_ext/plan/search.py``, whose docstring states the cost
-model). Step times are model estimates, not measurements.
+dp_shard x cp x tp, ep for MoDE, ring / all-to-all context parallelism, 1F1B / Interleaved1F1B, activation
+checkpointing, local batch), simplest first within --search-seconds, the fastest that fit, and the chosen
+one's overrides (``torchtitan_ext/plan/search.py``, whose docstring states the cost model). Step times are
+model estimates, not measurements.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ def parser() -> cli.ArgumentParser:
                    metavar="GiB", help="memory of one device (default: 80)")
     p.add_argument("--search", action="store_true",
                    help="rank every layout that fits on --gpus N instead of planning the configured one")
+    p.add_argument("--search-seconds", action=cli.OptionValue, type=cli.positive_number, default=20.0,
+                   metavar="S", help="--search: stop trying layouts after S seconds and rank those tried (default: 20)")
     p.add_argument("--top", action=cli.OptionValue, type=cli.positive_whole, default=10, metavar="K",
                    help="--search: layouts in the table (default: 10)")
     p.add_argument("--gpus-per-node", action=cli.OptionValue, type=cli.positive_whole, default=8, metavar="G",
@@ -66,12 +69,14 @@ def _main(argv: list[str]) -> int:
         return 0
     if ns.gpus is None:
         raise UserError("--search: expected --gpus N (the GPUs to lay the job out on)")
-    result = search(cfg, ns.gpus, ns.device_memory * GIB, hw)
+    result = search(cfg, ns.gpus, ns.device_memory * GIB, hw, ns.search_seconds)
     if not result.ranked:
         low = result.smallest
         why = (f"the smallest predicted peak is {low.plan.peak / GIB:.1f} GiB per GPU ({low.layout}, AC "
                f"{low.cfg.activation_checkpoint.mode}, local batch {low.cfg.training.local_batch_size})"
                if low else "the trainer's checks refused every layout")
+        if result.untried:
+            why += f"; {result.untried} layouts left untried after --search-seconds {ns.search_seconds:g}"
         raise UserError(f"--device-memory {ns.device_memory:g}: no layout of {cfg.model.flavor} on {ns.gpus} GPUs "
                         f"fits {ns.device_memory:g} GiB per GPU; {why}; expected more GPUs or more memory")
     print("\n".join(search_report(result, cfg.model.flavor, ns.top)))

@@ -13,13 +13,10 @@ import logging
 import sys
 from pathlib import Path
 
-import torch
-
 from torchtitan_ext import cli
 from torchtitan_ext.errors import ConfigError
-from torchtitan_ext.eval.load import config_dump_folder, load_ema, load_trained
-from torchtitan_ext.eval.validation import evaluate_model, validation_streams
-from torchtitan_ext.quant.export import dequantize, export
+from torchtitan_ext.eval.locate import config_dump_folder, find_checkpoint
+from torchtitan_ext.outputs import new_output
 
 log = logging.getLogger("torchtitan_ext.quant.export")
 
@@ -32,11 +29,26 @@ def parser() -> cli.ArgumentParser:
     return p
 
 
+def validation_streams(cfg):
+    """The run's validation streams (``eval.validation``, imported when the checkpoint is loaded)."""
+    from torchtitan_ext.eval.validation import validation_streams as streams
+
+    return streams(cfg)
+
+
 def _main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     folder = Path(args.checkpoint)
     if not (folder / "config.toml").is_file():
         raise ConfigError(f"--checkpoint {folder}: no config.toml (expected a job's dump folder)")
+    find_checkpoint(folder)  # the paths are checked before the imports below take their seconds
+    out = new_output("--output", args.output or folder / f"export-int{args.bits}.pt", folder=False)
+    import torch
+
+    from torchtitan_ext.eval.load import load_ema, load_trained
+    from torchtitan_ext.eval.validation import evaluate_model
+    from torchtitan_ext.quant.export import dequantize, export
+
     model, tokenizer, cfg, checkpoint = load_trained(folder)
     note = config_dump_folder(folder / "config.toml", cfg)[1]  # a copied or moved folder: said, as eval says it
     print(f"quant.export: read checkpoint {checkpoint}{f' ({note})' if note else ''}", file=sys.stderr, flush=True)
@@ -51,9 +63,8 @@ def _main(argv: list[str]) -> int:
     weights = "EMA" if load_ema(model, checkpoint) else "trained"
     original = val_loss()
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    out = Path(args.output or folder / f"export-int{args.bits}.pt")
     torch.save(export(state, args.bits), out)
-    model.load_state_dict(dequantize(torch.load(out, weights_only=False)))
+    model.load_state_dict(dequantize(torch.load(out, weights_only=True)))
     quantized = val_loss()
     bf16 = sum(2 * t.numel() for t in state.values())
     size = out.stat().st_size

@@ -26,7 +26,7 @@ from torchtitan_ext.config.loader import parse_args
 from torchtitan_ext.data.packers.concat import TokenDataLoader
 from torchtitan_ext.distill.teacher import write_sidecars
 from torchtitan_ext.errors import ConfigError
-from torchtitan_ext.eval.load import config_dump_folder
+from torchtitan_ext.eval.locate import config_dump_folder
 from torchtitan_ext.train.build import build_data, build_model, build_runtime, forward_context
 
 log = logging.getLogger("torchtitan_ext.distill.teacher")

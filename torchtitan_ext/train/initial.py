@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from torchtitan_ext.checkpoint.manager import ModelParts, complete_steps, unreadable_reason
+from torchtitan_ext.checkpoint.safe_reader import UnsafeCheckpointFile, safe_load
 from torchtitan_ext.errors import ConfigError
 from torchtitan_ext.hf.load import load_hf_weights
 from torchtitan_ext.models.args import ModelArgs
@@ -38,7 +38,9 @@ def load_initial_weights(parts: list[nn.Module], path: str, args: ModelArgs) -> 
         return f"initial weights from the Hugging Face folder {folder}"
     checkpoint = step_folder(folder)
     try:
-        dcp.load({"model": ModelParts(parts)}, checkpoint_id=str(checkpoint))
+        safe_load({"model": ModelParts(parts)}, checkpoint)
+    except UnsafeCheckpointFile:
+        raise
     except (Exception, CheckpointException) as e:  # a missing or differently shaped tensor, a damaged shard
         raise ConfigError(f"checkpoint.initial_load_path: cannot load the model of {checkpoint} "
                           f"({unreadable_reason(e)})") from e

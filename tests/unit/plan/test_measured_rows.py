@@ -33,6 +33,9 @@ from torchtitan_ext.plan.search import Hardware, step_time
 ONE_B = ("--config train_configs/debug.toml --data.tokenizer byte --training.compile true --model.flavor 1b "
          "--training.seq_len 2048 --training.local_batch_size 16")
 CE = " --training.fused_linear_ce true --training.fused_linear_ce_chunk 4096"
+# issue 63's one-GPU rows: the 1b shape at long sequences, compiled, op-level selective AC, batch 1 (two per 16k)
+LONG_1B = ("--config train_configs/debug.toml --data.tokenizer byte --training.compile true --model.flavor 1b "
+           "--activation_checkpoint.mode selective --activation_checkpoint.selective_every 0")
 # bench_layouts.sh's 8b rows: llama3_8b, seq 8192, op-level selective AC, compiled; EIGHT_B: FSDP 4, one sequence
 EIGHT_B_LAYOUT = ("--data.tokenizer byte --model.flavor llama3_8b --training.seq_len 8192 --training.compile true "
                   "--activation_checkpoint.mode selective --activation_checkpoint.selective_every 0")
@@ -146,6 +149,13 @@ ROWS = [
         + " --parallelism.pp 2 --parallelism.pp_schedule 1F1B --parallelism.pp_microbatches 8 "
         "--parallelism.pp_virtual_stages 1 --parallelism.dp_shard 2 --parallelism.ep 2 --training.local_batch_size 8",
         4, 112.81, 10_912),
+    # Issue 63 (filed 2026-12-02 at acb7bc8), one H200: 16k x 2 and 32k x 1 held the same peak, as the planner's
+    # per-token activations with attention on a fused kernel say (their speeds: not asserted, the 32k step was
+    # slowed by what that issue is about)
+    Row("1b, 16k x 2, op-level SAC, H200", "1b long context, 1 x H200", LONG_1B
+        + " --training.seq_len 16384 --training.local_batch_size 2", 1, 37.4),
+    Row("1b, 32k x 1, op-level SAC, H200", "1b long context, 1 x H200", LONG_1B
+        + " --training.seq_len 32768 --training.local_batch_size 1", 1, 37.4),
     # "This session's four device calls", call 2 (bench_structure.sh), 2026-11-27, one H100
     Row("1b, 1 GPU (structure bench)", "1b, 1 x H100 (structure)", ONE_B, 1, 48.32),
     # "MoDE at the Zen-like shape on 4 GPUs" (issue 40), 2026-11-27, 4 x H100: EP 1 and EP 2 peaks (speeds: see

@@ -3,6 +3,9 @@ memory model fits; its step-time rules; rankings with a known answer; its comman
 
 from __future__ import annotations
 
+import dataclasses
+import time
+
 import pytest
 import torch
 from test_measured_rows import EIGHT_B, F8_FSDP
@@ -50,8 +53,12 @@ def test_every_layout_passes_the_trainers_checks_and_fits(searches):
         assert result.ranked, name
         for cand in result.ranked:
             c = parse_args([*argv, *" ".join(cand.overrides()).split()])
-            dims = ParallelDims.from_config(c.parallelism, gpus)
+            cp = c.parallelism.cp  # the other degrees fill world / cp ranks; FSDP shards over dp_shard x cp
+            dims = ParallelDims.from_config(dataclasses.replace(c.parallelism, cp=1), gpus // cp)
             args = resolve_model_args(c, 257)
+            assert c.training.seq_len % (2 * cp * dims.tp) == 0
+            if c.parallelism.cp_scheme == "alltoall":
+                assert cp > 1 and args.n_heads // dims.tp % cp == 0
             if dims.tp > 1:
                 check_tp(args, dims.tp)
                 assert c.training.seq_len % dims.tp == 0
@@ -95,15 +102,20 @@ def test_small_dense_model_on_one_node_is_data_parallel(searches):
     assert split and all(c.time.total > fsdp8.time.total for c in split)
 
 
-def test_too_big_for_fsdp_alone_gets_tp_or_pp(searches):
+def test_too_big_for_fsdp_alone_gets_tp_pp_or_cp(searches):
     """llama3_8b at 65,536 tokens per sequence: one sequence's logits (128,256 x 64k) and checkpointed blocks
     do not fit 80 GiB under FSDP 8 at the smallest setting (full AC, one sequence), so every layout found
-    splits the model with TP or PP."""
+    splits the model with TP or PP, or the sequence with CP; the fastest cuts the sequence over the node with
+    the ring (its K/V transfers hide behind 64k-token attention; TP's collectives and PP's bubble do not), with
+    the all-to-all scheme next."""
     _, _, budget, result = searches["8B at 64k, 8 GPUs"]
     fsdp_only = parse_args([*LONG_8B, "--parallelism.dp_shard", "8", "--activation_checkpoint.mode", "full"])
     assert plan(fsdp_only, 8).peak > budget
-    assert all(c.plan.dims.tp > 1 or c.plan.dims.pp > 1 for c in result.ranked)
-    assert result.ranked[0].plan.dims.tp > 1
+    assert all(c.plan.dims.tp > 1 or c.plan.dims.pp > 1 or c.plan.cp > 1 for c in result.ranked)
+    first, second = result.ranked[:2]
+    assert (first.plan.cp, first.plan.cp_scheme, first.plan.dims.tp) == (8, "ring", 1)
+    assert (second.plan.cp, second.plan.cp_scheme) == (8, "alltoall")
+    assert first.time.comm.get("cp", 0.0) == 0.0 < second.time.comm["cp"]
 
 
 def test_tensor_parallelism_stays_inside_a_node(searches):
@@ -200,3 +212,26 @@ def test_float8_without_activation_checkpointing_pays_its_fused_kernel():
     for argv, ac in ((EIGHT_B + F8_FSDP, "selective"), (EIGHT_B, "none")):  # the measured rows' arguments
         best = search(parse_args(argv.split()), 4, 139 * GIB).ranked[0]
         assert (best.plan.dims.dp_shard, best.cfg.activation_checkpoint.mode) == (4, ac), best.overrides()
+
+
+def test_a_huge_gpu_count_answers_within_its_time_budget():
+    """A billion GPUs: the divisors come from the prime factors, the layouts are pruned (TP within a node, PP
+    at most the layers), and the search stops after its time budget with the layouts it tried ranked and the
+    untried ones counted; the command line says so in one line."""
+    cfg = parse_args(DENSE_1B)
+    start = time.monotonic()
+    result = search(cfg, 10**9, 80 * GIB, seconds=1.0)
+    assert time.monotonic() - start < 8.0
+    assert result.ranked and result.untried > 0
+    assert all(c.plan.dims.tp <= 8 and c.plan.world == 10**9 for c in result.ranked)
+    assert search(cfg, 10**9, 80 * GIB, seconds=1.0).ranked[0].layout == result.ranked[0].layout  # simplest first
+
+
+def test_cli_search_budget_line(capsys):
+    assert main([*DENSE_1B, "--gpus", "1000000000", "--search", "--search-seconds", "1", "--top", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    budget = [line for line in out if line.startswith("time budget: ")]
+    assert len(budget) == 1 and "layouts left untried after 1 s (--search-seconds" in budget[0], out
+    assert main([*DENSE_1B, "--gpus", "8", "--search", "--search-seconds", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "--search-seconds: expected a finite number > 0" in err[0]

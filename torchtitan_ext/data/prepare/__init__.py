@@ -11,13 +11,14 @@ shards written so far removed.
 
 Workers tokenize and apply the heuristics to chunks of documents in input order; the near-duplicate index
 and the writer run in the main process, so the output does not depend on ``--workers``. Each shard is
-written atomically and followed by ``prepare_state.pkl`` (records consumed, tokens carried into the next
-shard, duplicate index, counts): a run that crashed, was interrupted (Ctrl-C: exit 130) or stopped on bad
-input (a bad record, a truncated .gz / .zst, a full disk: exit 2) continues from the last shard when started
-again with the same arguments. With ``ppl`` in ``--filters``, a first pass scores the
-documents that survive the earlier filters (cached in ``ppl_scores.npy``) and the second pass writes.
-Filters (in the order given) are described in ``torchtitan_ext.data.filters``; the final report lists what
-each removed.
+written atomically and followed by ``prepare_state.npz`` (records consumed, tokens carried into the next
+shard, duplicate index, counts, as plain arrays and JSON: reading it runs no code, unlike the pickled
+``prepare_state.pkl`` of earlier versions, which is refused unread): a run that crashed, was interrupted
+(Ctrl-C: exit 130) or stopped on bad input (a bad record, a truncated .gz / .zst, a full disk: exit 2)
+continues from the last shard when started again with the same arguments. With ``ppl`` in ``--filters``, a
+first pass scores the documents that survive the earlier filters (cached in ``ppl_scores.npy``) and the
+second pass writes. Filters (in the order given) are described in ``torchtitan_ext.data.filters``; the final
+report lists what each removed.
 """
 
 from __future__ import annotations
@@ -25,13 +26,14 @@ from __future__ import annotations
 import gc
 import glob
 import io
+import json
 import logging
 import multiprocessing as mp
 import os
-import pickle
 import signal
 import sys
 import time
+import zipfile
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -45,7 +47,8 @@ from torchtitan_ext.data.text_sources import InputError, read_documents
 from torchtitan_ext.data.tokenizers import open_tokenizer
 
 FILTERS = ("heuristics", "minhash", "ppl")
-STATE = "prepare_state.pkl"
+STATE = "prepare_state.npz"
+OLD_STATE = "prepare_state.pkl"  # earlier versions' pickle: never read, since unpickling runs code
 logger = logging.getLogger(__name__)
 
 
@@ -159,11 +162,18 @@ def _process(texts: list[str]) -> list[tuple[np.ndarray | None, str | None, np.n
 
 def _save_state(out: Path, writer: ShardWriter, state: dict, **changes) -> None:
     """``state`` with ``changes`` and the writer's position, written atomically."""
+    record = {**state, **changes, "index": dict(writer.index), "val_left": writer.val_left,
+              "written": writer.written}
+    dedup, carry = record.pop("dedup"), record.pop("carry")
+    record["dedup_threshold"] = None if dedup is None else dedup.threshold
+    arrays = {"carry": np.asarray(carry, np.int32), **(dedup.arrays() if dedup is not None else {}),
+              "record": np.frombuffer(json.dumps(record).encode(), np.uint8)}
     tmp = out / (STATE + ".tmp")
     try:
+        buf = io.BytesIO()
+        np.savez(buf, **arrays)  # through bytes: numpy's own file writes lose the errno (a full disk)
         with open(tmp, "wb") as f:
-            pickle.dump({**state, **changes, "index": dict(writer.index), "val_left": writer.val_left,
-                         "written": writer.written}, f)
+            f.write(buf.getbuffer())
         os.replace(tmp, out / STATE)
     except BaseException as e:  # a full disk, Ctrl-C: the previous state stays, no partial file
         tmp.unlink(missing_ok=True)
@@ -291,14 +301,38 @@ def prepare(opts, hooks: Hooks | None = None) -> dict | None:
                     break
 
 
+def _read_state(path: Path) -> dict:
+    """The state :func:`_save_state` wrote, read without unpickling anything; InputError naming the file when
+    it is not one (truncated, damaged, or an array numpy would have to unpickle)."""
+    try:
+        with np.load(path, allow_pickle=False) as saved:
+            state = json.loads(saved["record"].tobytes())
+            state["carry"] = saved["carry"].astype(np.int32)
+            threshold = state.pop("dedup_threshold")
+            state["dedup"] = None if threshold is None else NearDuplicates.from_arrays(
+                float(threshold), saved["signatures"], saved["digests"])
+        missing = [k for k in ("records", "kept", "removed", "index", "val_left", "written", "done", "args")
+                   if k not in state]
+        if missing:
+            raise KeyError(missing[0])
+    except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as e:
+        raise InputError(f"{path}: not a preparation state this version wrote ({type(e).__name__}: "
+                         f"{str(e).strip()[:120]}); remove it and the folder's shards, then prepare again") from None
+    return state
+
+
 def _resume(opts, hooks: Hooks, out: Path, writer: ShardWriter) -> dict | None:
-    """The saved state of an interrupted preparation in ``out`` (or a fresh one); None when it completed."""
+    """The saved state of an interrupted preparation in ``out`` (or a fresh one); None when it completed.
+    An earlier version's pickled state is refused unread (one line naming it)."""
     state = {"records": 0, "kept": 0, "removed": {}, "dedup": None, "carry": np.zeros(0, np.int32),
              "index": dict(writer.index), "val_left": writer.val_left, "written": 0, "done": False,
-             "args": [opts.input, opts.tokenizer, opts.shard_tokens, opts.val_shards, opts.filters]}
+             "args": json.loads(json.dumps([opts.input, opts.tokenizer, opts.shard_tokens, opts.val_shards,
+                                            opts.filters]))}
+    if (out / OLD_STATE).is_file() and not (out / STATE).is_file():
+        raise InputError(f"{out / OLD_STATE}: an earlier version's pickled preparation state, not read (unpickling "
+                         f"a file can run code); remove it and the folder's shards, then prepare again")
     if (out / STATE).is_file():
-        with open(out / STATE, "rb") as f:
-            saved = pickle.load(f)
+        saved = _read_state(out / STATE)
         if saved["args"] != state["args"]:
             raise InputError(f"{out}: holds shards of another preparation ({STATE} has different --input, "
                              "--tokenizer, --shard-tokens, --val-shards or --filters); use an empty folder")
