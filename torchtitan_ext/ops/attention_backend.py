@@ -1,5 +1,5 @@
 """Which fused kernel ``F.scaled_dot_product_attention`` uses. On Hopper, cuDNN's attention is faster
-than FlashAttention-2 for bf16 training shapes (benchmarks/RESULTS.md), so ``auto`` tries it first there."""
+than FlashAttention-2 for bf16 training shapes, so ``auto`` tries it first there."""
 
 from __future__ import annotations
 
