@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from trainer_utils import REPO, TEST_CACHE
 
 DOCS = ("README.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md")), "docker/README.md")
@@ -241,6 +242,25 @@ def test_feature_table_cells_are_short_and_cite_existing_tests():
             assert (REPO / file).is_file(), file
             assert not function or re.search(rf"def {function}\b", (REPO / file).read_text()), f"{file}::{function}"
     assert len(_text("README.md").splitlines()) <= 300
+
+
+def test_toml_examples_are_valid_job_configs(tmp_path):
+    """Every ``toml`` fence of the docs loads as a job config, and a ``[model]`` one builds: its set keys
+    override the flavor's."""
+    from torchtitan_ext.config.loader import parse_args
+    from torchtitan_ext.models.decoder import Decoder
+    from torchtitan_ext.models.flavors import get_flavor, resolve_model_args
+
+    examples = [body for doc in DOCS for lang, body in fences(doc) if lang == "toml"]
+    assert examples
+    for i, body in enumerate(examples):
+        (tmp_path / f"{i}.toml").write_text(body)
+        cfg = parse_args(["--config", str(tmp_path / f"{i}.toml")])
+        if "[model]" in body:
+            args = resolve_model_args(cfg, 256)
+            assert args != get_flavor(cfg.model.flavor)
+            with torch.device("meta"):
+                Decoder(args)
 
 
 def _env(folder: Path) -> dict[str, str]:
