@@ -110,6 +110,7 @@ NOT_IN_CI = {
     "python -m torchtitan_ext.generate --checkpoint outputs/mine --prompt 'The ' --max-new-tokens 32": WALKTHROUGH,
     **{command: "slow test in this file (lm-evaluation-harness, a layout search: minutes)" for command in SLOW},
 }
+REFERENCE = ("<!-- keys:begin -->", "<!-- keys:end -->")  # docs/configuration.md's generated key tables
 # pages the docs link to that another change writes: allowed missing until they exist
 NOT_YET_WRITTEN = {"docs/long-context.md": "the context-parallelism page, written beside that feature"}
 
@@ -261,6 +262,35 @@ def test_toml_examples_are_valid_job_configs(tmp_path):
             assert args != get_flavor(cfg.model.flavor)
             with torch.device("meta"):
                 Decoder(args)
+
+
+def config_reference() -> str:
+    """docs/configuration.md's key reference: ``python -m torchtitan_ext.train --help`` as a table per section."""
+    from torchtitan_ext.config.loader import help_text
+
+    out = []
+    for line in help_text().splitlines():
+        if section := re.fullmatch(r"\[(\w+)\]", line):
+            out += ["", f"### [{section.group(1)}]", "", "| key | default | meaning |", "|---|---|---|"]
+        elif key := re.fullmatch(r"  --(\w+\.\w+) = (.*?)  (.*)", line):
+            name, default, meaning = key.groups()
+            cells = (f"`{name}`", f"`{default}`", meaning.replace("|", "\\|").replace("<", "&lt;"))
+            out.append(f"| {' | '.join(cells)} |")
+    return "\n".join(out).strip()
+
+
+def write_config_reference() -> None:
+    """Rewrite the key reference between docs/configuration.md's markers from the config."""
+    path = REPO / "docs" / "configuration.md"
+    head, rest = path.read_text().split(REFERENCE[0], 1)
+    path.write_text(f"{head}{REFERENCE[0]}\n\n{config_reference()}\n\n{REFERENCE[1]}{rest.split(REFERENCE[1], 1)[1]}")
+
+
+def test_config_reference_is_the_config():
+    block = _text("docs/configuration.md").split(REFERENCE[0], 1)[1].split(REFERENCE[1], 1)[0]
+    assert block.strip() == config_reference(), (
+        "docs/configuration.md's key reference differs from the config; rewrite it with: python -c \"import sys; "
+        "sys.path[:0] = ['tests', 'tests/unit']; import test_docs_commands as t; t.write_config_reference()\"")
 
 
 def _env(folder: Path) -> dict[str, str]:
