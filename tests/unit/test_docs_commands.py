@@ -343,11 +343,17 @@ def test_ci_commands_run_as_written(ran):
 
 
 def test_default_job_writes_what_the_readme_lists(ran):
-    """The README's ``metrics.jsonl`` row names keys that the default job's metrics.jsonl holds."""
+    """Each path of the README's "What the default job writes" table is in the default job's dump folder, and
+    its ``metrics.jsonl`` row names keys that the job's metrics.jsonl holds."""
     folder, _ = ran
-    row = next(line for line in _text("README.md").splitlines() if line.startswith("| `metrics.jsonl` |"))
-    listed = re.findall(r"`([^`]+)`", row.split("|")[2])
-    lines = [json.loads(line) for line in (folder / "outputs" / "debug" / "metrics.jsonl").read_text().splitlines()]
+    section = _text("README.md").split("\n## What the default job writes\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split(" | ") for line in section.splitlines() if line.startswith("| `")]
+    paths = [re.fullmatch(r"\| `([^`]+)`", row[0]).group(1) for row in rows]
+    debug = folder / "outputs" / "debug"
+    missing = [p for p in paths if not list(debug.glob(p.replace("-N", "-*").rstrip("/")))]
+    assert len(paths) >= 5 and not missing, f"listed in the README, not in outputs/debug: {missing}"
+    listed = re.findall(r"`([^`]+)`", next(row[1] for row in rows if row[0] == "| `metrics.jsonl`"))
+    lines = [json.loads(line) for line in (debug / "metrics.jsonl").read_text().splitlines()]
     keys = {key for line in lines for key in line}
     patterns = ["[^/]+".join(map(re.escape, re.split(r"<[a-z_]+>", name))) for name in listed]
     missing = [name for name, p in zip(listed, patterns, strict=True) if not any(re.fullmatch(p, k) for k in keys)]
