@@ -1,4 +1,4 @@
-"""Shared test set-up. The suite has three tiers (README, "Tests"): the default (CI, CPU), ``slow``
+"""Shared test set-up. The suite has three tiers (docs/testing.md): the default (CI, CPU), ``slow``
 (convergence comparisons and multi-minute runs; ``launch/test.sh --all``) and ``multigpu`` (NCCL on 2+
 GPUs; ``launch/test.sh -m multigpu`` on a lent machine). Test folders: ``unit/<package>/`` (in-process),
 ``integration/`` (trainer runs, gloo process groups), ``multigpu/``; shared helpers stay in this folder, which

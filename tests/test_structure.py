@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import io
+import re
+import tokenize
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,4 +84,52 @@ def test_no_module_configured_through_class_attributes():
                 if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and \
                         target.value.id in classes:
                     offenders.append(f"{path.relative_to(REPO)}:{node.lineno} {target.value.id}.{target.attr}")
+    assert offenders == []
+
+
+GPU_MODEL = re.compile(r"\b(?:A100|A800|A10G|H100|H200|H800|H20|B100|B200|GB200|GB300|L40S?|V100|MI\d{3}X?|"
+                       r"RTX ?\d{4})s?\b")
+THROUGHPUT = re.compile(r"\d[\d,.]*\s?(?:[kM]\s?)?(?:tokens|tok)/s|\d[\d,.]*\s?[TGP]FLOP/?s|\d[\d,.]*\s?[MGT]B/s"
+                        r"|\d[\d,.]*\s?(?:ms|us|µs)\b|\b\d+\.\d+(?:-\d+\.\d+)?x\b|\d+(?:\.\d+)?x (?:faster|slower)"
+                        r"|\d+(?:\.\d+)?% (?:MFU|slower|faster)")
+RESULTS_POINTER = re.compile(r"RESULTS\.md|\bbenchmarks/|\b20\d\d-\d\d-\d\d\b")  # where, and when, it was measured
+HELP_KEYWORDS = ("help", "description", "epilog")
+
+
+def _strings(node: ast.AST) -> list[tuple[int, str]]:
+    return [(n.lineno, n.value) for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+
+
+def _explanations(path: Path) -> list[tuple[int, str]]:
+    """A library file's comments, docstrings and help texts (argparse help / description / epilog, config
+    ``opt`` help, the tools table and module-level ``*DESCRIPTION`` / ``*EPILOG`` texts), with their lines."""
+    source = path.read_text()
+    found = [(tok.start[0], tok.string) for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+             if tok.type == tokenize.COMMENT]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and \
+                node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant) \
+                and isinstance(node.body[0].value.value, str):
+            found.append((node.body[0].lineno, node.body[0].value.value))
+        elif isinstance(node, ast.Call):
+            found += [s for kw in node.keywords if kw.arg in HELP_KEYWORDS for s in _strings(kw.value)]
+            if isinstance(node.func, ast.Name) and node.func.id == "opt" and len(node.args) > 1:
+                found += _strings(node.args[1])
+        elif isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and (t.id == "TOOLS" or t.id.endswith(("DESCRIPTION", "EPILOG")))
+                   for t in targets):
+                found += _strings(node.value)
+    return found
+
+
+def test_library_explanations_name_no_gpu_model_and_no_throughput_figure():
+    """Comments, docstrings and help texts say what the code does and why; measurements (the GPU they ran on,
+    tokens/s, TFLOP/s, bandwidths, milliseconds, speed-up ratios, MFU, the date) belong in benchmarks/RESULTS.md,
+    and the library does not point there or at a benchmark script."""
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for line, text in _explanations(path):
+            for pattern in (GPU_MODEL, THROUGHPUT, RESULTS_POINTER):
+                offenders += [f"{path.relative_to(REPO)}:{line}: {m.group(0)!r}" for m in pattern.finditer(text)]
     assert offenders == []

@@ -201,9 +201,8 @@ def run_tool(main: Callable[[list[str]], int | None], argv: list[str] | None = N
     except Exception:
         if _process_group_size() > 1:
             # The other ranks may wait in a collective or a pipeline receive this rank will never join, and
-            # destroying an NCCL process group with work in flight waits for them: a pipeline schedule's error
-            # on one rank hung its job until the test's timeout on 4 H200s. Leave at once instead; torchrun
-            # then stops the other workers.
+            # destroying an NCCL process group with work in flight waits for them, so the job would hang.
+            # Leave at once instead; torchrun then stops the other workers.
             traceback.print_exc()
             exit_now(EXIT_FAILED)
         raise

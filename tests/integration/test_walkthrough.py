@@ -1,5 +1,5 @@
-"""The README's walkthrough, run line by line on files this test makes: parquet + tokenizer.json ->
-data.prepare -> train -> eval -> generate."""
+"""The walkthrough of docs/data-and-tokenizers.md, run line by line on files this test makes: parquet +
+tokenizer.json -> data.prepare -> train -> eval -> generate."""
 
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ pytest.importorskip("pyarrow")
 
 
 def walkthrough_commands() -> list[str]:
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "data-and-tokenizers.md").read_text()
     block = re.search(r"<!-- walkthrough -->\n```\n(.*?)```", text, re.S)
-    assert block, "README.md has no walkthrough block"
+    assert block, "docs/data-and-tokenizers.md has no walkthrough block"
     return [line for line in block.group(1).splitlines() if line.strip()]
 
 

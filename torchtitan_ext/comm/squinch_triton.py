@@ -8,7 +8,7 @@ float32 product per value and a sign-bit flip.
 
 Each program handles ``BLOCKS`` blocks of 8 as a [BLOCKS, 8] tile: loads are contiguous across the tile and
 per-block reductions (max, sign byte, nibble word) stay in registers. The encoder writes each block's 6 bytes
-as three 16-bit stores; byte stores masked to 6 of 8 columns ran at half the speed (benchmarks/RESULTS.md).
+as three 16-bit stores; byte stores masked to 6 of 8 columns ran at half the speed.
 Tile bases are int64 so tensors above 2^31 values work.
 """
 

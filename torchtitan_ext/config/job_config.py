@@ -151,7 +151,7 @@ class OptimizerSection:
     weight_decay: float = opt(0.1, "decoupled weight decay; never on norms, biases, embeddings", min=0.0)
     fused: bool = opt(True, "fused AdamW kernel (GPU and CPU): clips and skips non-finite steps without a host read")
     adamw_kernel: str = opt("auto", "fused AdamW's kernel for large CUDA parameters: torch (multi-tensor), "
-                            "triton (one streaming kernel per parameter, 1.38-1.41x torch's on an H200; needs the gpu "
+                            "triton (one streaming kernel per parameter, closer to the HBM bandwidth; needs the gpu "
                             "extra), or auto (triton when importable and the parameters are on a GPU)",
                             choices=("auto", "torch", "triton"))
     muon_momentum: float = opt(0.95, "Muon momentum", min=0.0, max=1.0)
@@ -289,7 +289,7 @@ class CommSection:
 
 @dataclass
 class Float8Section:
-    enabled: bool = opt(False, "torchao float8 linears (H100 / compute capability >= 8.9)")
+    enabled: bool = opt(False, "torchao float8 linears (a GPU of compute capability >= 8.9)")
     recipe: str = opt("tensorwise", "scaling recipe (blockwise: DeepSeek-V3's 1x128 / 128x128 block scales, "
                       "Hopper, no TP)", choices=("tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise"))
     filter_fqns: list = opt(["output"], "modules whose FQN contains one of these stay in bf16")
@@ -300,8 +300,8 @@ class Float8Section:
     enable_fsdp_float8_all_gather: bool = opt(False, "all-gather FSDP params in float8 (tensorwise)")
     precompute_float8_dynamic_scale_for_fsdp: bool = opt(False, "one fused amax for all params "
                                                          "(tensorwise, FSDP float8 all-gather)")
-    experts: bool = opt(False, "MoDE experts' grouped GEMMs in float8 rowwise (H100; token groups padded to 16 "
-                        "rows); needs float8.enabled")
+    experts: bool = opt(False, "MoDE experts' grouped GEMMs in float8 rowwise (compute capability 9.0; token "
+                        "groups padded to 16 rows); needs float8.enabled")
 
 
 @dataclass
@@ -332,8 +332,8 @@ class ProfilingSection:
     end_step: int = opt(4, "last profiled step (>= start_step)", min=1)
     memory_snapshot: bool = opt(False, "also a CUDA memory snapshot (pickle for pytorch.org/memory_viz) of those "
                                 "steps; GPU only")
-    with_stack: bool = opt(False, "record the Python stack of every op (larger traces; benchmarks/trace_gaps.py "
-                           "charges the GPU's idle time to them)")
+    with_stack: bool = opt(False, "record the Python stack of every op (larger traces; the stacks let the GPU's "
+                           "idle time be charged to the host code running in it)")
     folder: str = opt("profile", "sub-folder of job.dump_folder")
 
 

@@ -92,7 +92,7 @@ class ModelArgs:
         become correlated during training, so their dot product grows like head_dim, not its square root. The
         multiplier sqrt(base_head_dim) makes the base model's scale the standard one, so a base model tuned
         either way is the same model (a bare 1 / head_dim flattens the attention 8x at head_dim 64, and with
-        QK-norm holding q and k at unit RMS it trained 0.3 nats worse: benchmarks/RESULTS.md, muP)."""
+        QK-norm holding q and k at unit RMS it trained clearly worse)."""
         if self.parametrization != "mup":
             return None
         return (self.mup_base_head_dim or self.hdim) ** 0.5 / self.hdim

@@ -115,8 +115,8 @@ def _to_dtype_scaled(grad: torch.Tensor, dtype: torch.dtype, scale: float) -> to
 
 
 # One Triton pass, compiled at the first backward per weight shape. Eagerly, torch's bf16 -> fp32 copy is an
-# unrolled kernel at half the speed of its fp32 -> bf16 one: 14.5 against 6.9 ms a step for the 4.4e9 expert
-# weights of the 64-expert shape on one H200 (benchmarks/RESULTS.md, "expert parallelism's machinery").
+# unrolled kernel at about half the speed of its fp32 -> bf16 one, and the scaling would be a second pass over
+# every expert weight's gradient.
 _to_dtype_scaled_kernel = torch.compile(_to_dtype_scaled, dynamic=False, fullgraph=True)
 
 
@@ -262,8 +262,7 @@ class MoDE(nn.Module):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         flat = idx.flatten()  # copy j of token t sits at t * k + j
         # Routed copies per expert, as a comparison and a sum: a static shape (bincount's output size depends
-        # on the data, which torch.compile cannot trace in one graph). On an H100 it cost the same as the
-        # int64 scatter-add it replaced (benchmarks/RESULTS.md, MoDE step profiled).
+        # on the data, which torch.compile cannot trace in one graph), as cheap as an int64 scatter-add.
         counts = (flat[:, None] == torch.arange(self.n_experts, device=flat.device)).sum(dim=0)
         slots = self.expert_slot[flat]
         order = slots.argsort(stable=True)  # token copies sorted by where their expert sits
@@ -298,8 +297,8 @@ class MoDE(nn.Module):
         if self.token_domains is not None:
             domain = self.token_domains[:, None].expand(shape[:-1]).reshape(-1).clamp(max=self.MAX_DOMAINS - 1)
             cell = domain.repeat_interleave(self.top_k) * self.n_experts + flat
-            # A float32 scatter-add (exact below 2**24 copies per batch): the integer one runs as a sort on
-            # CUDA, 0.85 ms per layer at 32k copies on an H100 (benchmarks/RESULTS.md).
+            # A float32 scatter-add (exact below 2**24 copies per batch): the integer one runs as a slow sort
+            # on CUDA.
             hits = torch.zeros(self.domain_load.numel(), device=flat.device).scatter_add_(
                 0, cell, torch.ones_like(cell, dtype=torch.float32))
             self.domain_load += hits.view_as(self.domain_load).long()

@@ -15,7 +15,7 @@ def apply_compile(model: nn.Module, experts_in_graph: bool, tensor_parallel: boo
 
     ``compile_head``: compile the output head too, in place (its parameter names stay). For a float8 head:
     eagerly, torchao's amax, scale and cast of the (tokens x vocabulary) logit gradient are separate kernels
-    that cost more than the float8 GEMM saves (measured on an H100, benchmarks/RESULTS.md).
+    that cost more than the float8 GEMM saves; compiled, they fuse.
 
     Under tensor parallelism the AOTAutograd cache is turned off: with a warm cache, TP ranks of a compiled
     MoDE model were measured to load a backward graph that gave wrong gradients from the second step on
@@ -42,9 +42,9 @@ def _compile_around_experts(block: nn.Module) -> None:
     the host), when they or their MoDE layer are an FSDP unit of their own (FSDP's hooks run eagerly), on
     CPU (the grouped-GEMM fallback loops over groups whose sizes are data), or in float8 (inside the graph
     torchao 0.17's float8 grouped GEMMs gave non-finite gradient norms on some steps). Their SwiGLU is not compiled
-    either: its row count differs by rank and step, and compiling it gained nothing measurable on one H100
-    (benchmarks/RESULTS.md). Compiled methods keep every parameter's name; few, large graphs keep the host
-    ahead of the GPU."""
+    either: its row count differs by rank and step (a recompile each time), and compiling it gained nothing
+    measurable. Compiled methods keep every parameter's name; few, large graphs keep the host ahead of the
+    GPU."""
     block.attend = torch.compile(block.attend, fullgraph=True)
     moe = block.feed_forward
     moe.dispatch_tokens = torch.compile(moe.dispatch_tokens, fullgraph=True)

@@ -23,9 +23,9 @@ dispatch runs it on the GPU while the rows' all-to-all is in flight (the all-to-
 asynchronously and waited on before the received rows are used).
 
 The row all-to-alls are plain c10d calls inside autograd Functions, not functional collectives: a
-functional collective returns an ``AsyncCollectiveTensor``, and one handed to a compiled graph that was
-still compiling (the combine, on a cold cache) was seen to wait for ever on CPU (gloo) while the other rank
-went on (benchmarks/RESULTS.md).
+functional collective returns an ``AsyncCollectiveTensor``, and one handed to a compiled graph that is still
+compiling (the combine, on a cold cache) can leave its rank waiting for ever on gloo while the other rank goes
+on.
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
 """Experts placed on the expert-parallel ranks by measured load.
 
 Under expert parallelism every rank waits in each all-to-all for the rank whose experts received the most
-tokens. On 4 H200s at a 64-expert top-2 shape the rank holding the hot experts computed 30% more routed rows
-than the others early in training, and they waited for it (benchmarks/RESULTS.md, issue 40). Every
-``every`` steps this module sums each MoDE layer's routed tokens per expert over the data-parallel ranks,
-swaps experts between the most and the least loaded rank while that lowers the larger of the two loads, and
-moves the swapped experts' weights and optimizer states (and EMA shadows) to their new ranks. The layer's
-``expert_slot`` map says where each expert now sits; routing, losses and load metrics still speak of experts,
-so the model computes exactly what it computed before the move.
+tokens; with uneven routing the rank holding the hot experts computes many more routed rows than the others,
+and they wait for it. Every ``every`` steps this module sums each MoDE layer's routed tokens per expert over
+the data-parallel ranks, swaps experts between the most and the least loaded rank while that lowers the larger
+of the two loads, and moves the swapped experts' weights and optimizer states (and EMA shadows) to their new
+ranks. The layer's ``expert_slot`` map says where each expert now sits; routing, losses and load metrics still
+speak of experts, so the model computes exactly what it computed before the move.
 
 Checkpoints keep the experts in their own order: ``canonical()`` moves them home around a save and back after,
 so a checkpoint resumes and exports under any layout and without this module.

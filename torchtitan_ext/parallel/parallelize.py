@@ -37,13 +37,13 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, cfg: JobConfig, on
               "selective checkpointing cannot wrap their FSDP units); other blocks use the op-level policy")
     if cfg.training.compile:  # experts join the block's graph only on GPU, outside their own FSDP units, in bf16
         # Float8 experts stay eager between graphs: inside the block's graph torchao 0.17's float8 grouped GEMMs
-        # gave non-finite gradient norms on some steps (benchmarks/RESULTS.md, "Compiled float8 MoDE experts").
+        # gave non-finite gradient norms on some steps.
         in_graph = on_gpu and not moe_fsdp_units and not cfg.float8.experts
         apply_compile(model, experts_in_graph=in_graph, tensor_parallel=dims.tp > 1,
                       compile_head=cfg.float8.enabled and cfg.float8.include_output)
         if dims.tp > 1 and model.tok_embeddings is not None:
             log.info("compile: under TP the embedding's reduce-scatter completes before the first compiled block "
-                  "(torch 2.13 loses the gradient of an in-flight one: benchmarks/repro_tp_compile.py)")
+                  "(a compiled graph loses the gradient of an in-flight one)")
     if dims.fsdp_enabled or moe_under_tp:
         param_dtype = DTYPES[cfg.training.mixed_precision_param] if on_gpu and dims.fsdp_enabled \
             else DTYPES["float32"]  # without FSDP the blocks run under autocast

@@ -136,10 +136,8 @@ class Stage(PipelineStage):
     torch runs the latter as one ``autograd.grad`` per parameter group (a block has nine: four attention
     projections, three FFN matrices, two norms). Non-reentrant checkpointing recomputes a block for each of
     those calls and keeps the recomputed tensors the others need until the pass ends: 11 runs of a block per
-    micro-batch instead of 3, and on CPU an 8-block ZBV step peaked at 661 MiB per rank against 381 with
-    this stage (``benchmarks/probe_zero_bubble_memory.py``; ``llama3_8b`` PP 2 x FSDP 2 with ZBV ran out of
-    a 141 GB card before it). Under one ``GraphExecGroup`` the calls share one recomputation; they touch
-    disjoint weights, which the group requires."""
+    micro-batch instead of 3, and a peak memory far above the schedule's own. Under one ``GraphExecGroup`` the
+    calls share one recomputation; they touch disjoint weights, which the group requires."""
 
     def backward_weight_one_chunk(self, *args, **kwargs):
         with GraphExecGroup():

@@ -40,7 +40,7 @@ class SyncRowwiseParallel(RowwiseParallel):
     """RowwiseParallel whose output reduce-scatter completes before the module returns (for the embedding,
     whose output the first block needs at once anyway). Its stock async form hands the first compiled block an
     AsyncCollectiveTensor, and a compiled graph's backward then skips that tensor's ``to_local`` node: the
-    embedding's redistribute gets a plain-tensor gradient and fails (torch 2.13, benchmarks/repro_tp_compile.py)."""
+    embedding's redistribute gets a plain-tensor gradient and fails (torch 2.13)."""
 
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):

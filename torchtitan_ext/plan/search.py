@@ -20,34 +20,33 @@ Layouts are tried simplest first (fewest pipeline stages, then TP, CP and replic
 
 Step time of one optimizer step (the global batch) on every GPU:
   compute   = the trainer's MFU FLOPs (``metrics.logger.flops_per_token``), with attention's counted causal
-              (half: the fused kernels skip the masked blocks), x G x seq_len / N / (peak x MFU);
-              peak 989 TFLOP/s (H100 bf16 dense), MFU 0.45 (``Hardware``; one H100 measured 0.54-0.55 on the
-              compiled 1b and 8B in issue 42; uncompiled MoDE with small experts will be lower). Smaller GEMMs
-              under TP, MoDE load imbalance and kernel launch costs are not modelled. With ``float8.enabled``
-              the blocks' dense linears (and the head with ``float8.include_output``) run FLOAT8_GEMM_SPEEDUP
-              times faster (their share of the FLOPs: 6 x their parameters per token); attention and the
-              rest do not.
+              (half: the fused kernels skip the masked blocks), x G x seq_len / N / (peak x MFU),
+              ``Hardware.peak_flops`` and ``Hardware.mfu`` (compiled dense models reach a little more; uncompiled
+              MoDE with small experts less). Smaller GEMMs under TP, MoDE load imbalance and kernel launch costs
+              are not modelled. With ``float8.enabled`` the blocks' dense linears (and the head with
+              ``float8.include_output``) run FLOAT8_GEMM_SPEEDUP times faster (their share of the FLOPs: 6 x their
+              parameters per token); attention and the rest do not.
               Compiled float8 tensorwise blocks without activation checkpointing add FLOAT8_NO_AC_FUSION x
               compute: Inductor fuses each attention norm's backward with transposed float8 casts into one slow
-              kernel there (torch 2.11; benchmarks/RESULTS.md, "Float8 without activation checkpointing").
+              kernel there.
   recompute = full AC: compute / 3 (the forward again: 2 of the 6 FLOPs per parameter and token); op-level
-              selective: SELECTIVE_RECOMPUTE x compute (pointwise ops only: 1b lost 3% with it in RESULTS.md,
-              issue 16); selective every N blocks: compute / (3 N).
-  bubble    = (compute + recompute) x (pp - 1) / (micro-batches x virtual stages), plus PP_PASS_OVERHEAD (3 ms)
+              selective: SELECTIVE_RECOMPUTE x compute (pointwise ops only); selective every N blocks:
+              compute / (3 N).
+  bubble    = (compute + recompute) x (pp - 1) / (micro-batches x virtual stages), plus PP_PASS_OVERHEAD seconds
               per micro-batch and virtual stage.
-  comm      = bytes per rank per mesh dimension (``estimate.communication``) / bandwidth: NVLink bus bandwidth
-              360 GB/s per GPU inside a node, 50 GB/s per GPU (400 Gb/s InfiniBand) for a dimension whose ranks
-              span nodes (rank order pp x dp_replicate x dp_shard (ep inner) x tp, tp innermost, 8 GPUs per
-              node). Tensor parallelism inside a node moves at ``Hardware.tp_bw`` (120 GB/s), a third of the bus
-              bandwidth: its collectives are many and mid-sized (four per layer and pass, one activation each)
-              and each one holds up the next GEMM. Data-parallel traffic (FSDP all-gather and reduce-scatter,
-              HSDP / DDP all-reduce) overlaps compute except FSDP_EXPOSED of it and all of what exceeds the
-              compute time; TP, EP all-to-all and pipeline sends are on the critical path. Context parallelism:
+  comm      = bytes per rank per mesh dimension (``estimate.communication``) / bandwidth: ``Hardware.intra_node_bw``
+              per GPU inside a node, ``Hardware.inter_node_bw`` for a dimension whose ranks span nodes (rank
+              order pp x dp_replicate x dp_shard (ep inner) x tp, tp innermost, ``gpus_per_node`` GPUs per node).
+              Tensor parallelism inside a node moves at ``Hardware.tp_bw``, a third of the bus bandwidth: its
+              collectives are many and mid-sized (four per layer and pass, one activation each) and each one
+              holds up the next GEMM. Data-parallel traffic (FSDP all-gather and reduce-scatter, HSDP / DDP
+              all-reduce) overlaps compute except FSDP_EXPOSED of it and all of what exceeds the compute time;
+              TP, EP all-to-all and pipeline sends are on the critical path. Context parallelism:
               the ring's K/V transfers overlap the attention on the block already there ((cp - 1) / cp of the
               attention time, recomputed attention included), only what exceeds it is exposed (head-tail chunks
               give every ring step the same work); the all-to-all scheme's exchanges are on the critical path.
   optimizer = the AdamW step and gradient clipping over the rank's parameters: OPTIMIZER_BYTES_PER_PARAM bytes
-              each through HBM at ``Hardware.memory_bw`` (achieved, 2.6 TB/s on an H100). Once per optimizer
+              each through HBM at ``Hardware.memory_bw`` (achieved by streaming kernels). Once per optimizer
               step, so it weighs on layouts that put few tokens through each rank per step.
   step      = compute + recompute + bubble + exposed comm + optimizer; tokens/s per GPU = G x seq_len / step / N.
 """
@@ -66,34 +65,27 @@ from torchtitan_ext.errors import ConfigError, UserError
 from torchtitan_ext.models.args import ModelArgs
 from torchtitan_ext.plan.estimate import F32, GIB, PARAMS, Plan, param_groups, plan
 
-# Share of the step's compute that op-level selective AC adds (1b, fused CE: 90,811 vs 93,644 tokens/s).
+# The constants below are fitted to steps measured on GPUs; docs/planner.md ("Calibration") says from which.
+# Share of the step's compute that op-level selective AC adds (it recomputes pointwise ops only).
 SELECTIVE_RECOMPUTE = 0.03
 # Share of the data-parallel collectives' time not hidden behind compute (the first all-gather, the last
-# reduce-scatter): 1b lost 0.8% / 1.5% per GPU at FSDP 2 / 4 on one H100 node, about a quarter of the time its
-# all-gathers and reduce-scatters take at 360 GB/s (issue 42).
+# reduce-scatter).
 FSDP_EXPOSED = 0.25
 # Seconds each (micro-batch, virtual stage) pass of a pipeline schedule costs beyond its FLOPs (separate
-# forward / backward calls, send / recv handshakes): 1b PP 2 x FSDP 2, 1F1B, 8 micro-batches (issue 42) lost
-# about 5.7 ms per micro-batch more than its bubble; the 7b-shaped 8-layer PP 2 (2 H200s, RESULTS.md) none.
+# forward / backward calls, send / recv handshakes).
 PP_PASS_OVERHEAD = 0.003
 # How much faster a float8 linear's forward + backward runs than bf16 (GEMMs with their amax / scale / cast
-# work), per recipe. tensorwise: the 8B-shaped 4-layer model (seq 4096, vocabulary 32000, one H100, issue 16
-# re-measured) ran 1.281x with its blocks' linears (76.7% of the FLOPs) in float8, which solves to 1.40; the
-# same figure gives 1.26x / 1.30x for llama3_8b FSDP 4 and the 7b-shaped FSDP 2 rows, measured 1.23x / 1.27x.
-# rowwise: the plain script's 1.13x on the same shape (gpu-facts). Other recipes: not measured, no gain.
+# work), per recipe: the factor that makes a model whose blocks' linears run in float8 (and the rest in bf16)
+# come out at its measured step time. Other recipes: no gain assumed.
 FLOAT8_GEMM_SPEEDUP = {"tensorwise": 1.40, "rowwise": 1.17}
-# What compiled float8 tensorwise blocks without activation checkpointing add to the compute: one Inductor kernel
-# (a norm's backward fused with three transposed float8 casts) took 1.9 ms a block of llama3_8b at 8,192 tokens.
-# Measured, such steps were 3.0-3.3% slower than with op-level selective AC (one H200, 8 layers, two calls) and
-# 3.7% (FSDP 4 on 4 H200s), where the selective AC step is modelled as SELECTIVE_RECOMPUTE = 3% over the compute:
-# 1.034 x 1.03 - 1 = 0.065.
+# What compiled float8 tensorwise blocks without activation checkpointing add to the compute: Inductor fuses each
+# attention norm's backward with three transposed float8 casts into one slow kernel, which the selective AC
+# graphs do not form. Relative to the selective AC step, itself modelled as SELECTIVE_RECOMPUTE over the compute.
 FLOAT8_NO_AC_FUSION = 0.065
 # HBM bytes per parameter of one optimizer step, by ``optimizer.adamw_kernel`` (auto: triton on a GPU), at the
 # achieved ``memory_bw``. torch's fused AdamW reads the fp32 parameter, gradient and two moments and writes three
-# (28 bytes); the gradient norm reads the gradient again and clipping rewrites it (12). The Zen-shaped MoDE on one
-# H200 (4.66e9 parameters, 2026-11-28 profile) spent 50.4 ms per step in these kernels: 40 bytes per parameter at
-# 3.7 TB/s, 78% of the H200's 4.8 TB/s. ``TritonAdamW`` moves the same 28 bytes in 31.2 ms instead of 43.9 for
-# those parameters (benchmarks/bench_adamw.py, one H200, 2026-11-29): 30 bytes at the same rate.
+# (28 bytes); the gradient norm reads the gradient again and clipping rewrites it (12). ``TritonAdamW`` moves the
+# same 28 bytes closer to the HBM's peak, the same time as 30 bytes at torch's rate.
 OPTIMIZER_BYTES_PER_PARAM = {"torch": 40, "triton": 30}
 MICRO_SEQUENCES = (1, 2, 4, 8)  # sequences per pipeline micro-batch tried
 DATA_PARALLEL_DIMS = ("dp_shard", "dp_replicate", "dp")
@@ -107,17 +99,18 @@ SEARCH_SECONDS = 20.0  # the search's default time budget
 
 @dataclass(frozen=True)
 class Hardware:
-    """The assumed machine (every figure overridable from the command line)."""
-    peak_flops: float = 989e12  # H100 SXM dense bf16, as metrics.logger.PEAK_BF16_FLOPS
+    """The assumed machine (every figure overridable from the command line); the defaults describe one node
+    of eight GPUs on NVLink with an InfiniBand NIC per GPU (docs/planner.md names the card)."""
+    peak_flops: float = 989e12  # dense bf16 FLOP/s of one GPU, as metrics.logger.PEAK_BF16_FLOPS
     mfu: float = 0.45  # achievable share of the peak for the compute alone
-    intra_node_bw: float = 360e9  # bytes/s per GPU: NCCL bus bandwidth over NVLink (H100 SXM)
+    intra_node_bw: float = 360e9  # bytes/s per GPU: NCCL bus bandwidth over NVLink
     inter_node_bw: float = 50e9  # bytes/s per GPU: one 400 Gb/s InfiniBand NIC per GPU
     gpus_per_node: int = 8
-    # Effective bytes/s of tensor parallelism's collectives inside a node. Set from the `1b` FSDP 2 x TP 2 row
-    # (4 H100s): it lost 72 ms per step to FSDP 4, three times its TP bytes at 360 GB/s; the 8B TP 2 x FSDP 2
-    # row (4 H200s) then comes out slower than PP 2 x FSDP 2, as measured (tests/unit/plan/test_measured_rows.py).
+    # Effective bytes/s of tensor parallelism's collectives inside a node, below the bus bandwidth: they are
+    # many and mid-sized, and each holds up the next GEMM. Fitted so that the measured TP rows rank as they ran
+    # (tests/unit/plan/test_measured_rows.py).
     tp_bw: float = 120e9
-    memory_bw: float = 2.6e12  # bytes/s of HBM achieved by streaming kernels (H100 SXM: 3.35 TB/s peak)
+    memory_bw: float = 2.6e12  # bytes/s of HBM achieved by streaming kernels, below the card's peak
 
 
 @dataclass

@@ -25,7 +25,7 @@ token group to be a multiple of 16 rows and torchao's own padding is not impleme
 pads MoDE's dropless groups itself, inside the experts (see that module).
 
 torchao / torch pairing (torchao is an optional dependency: ``pip install -e '.[gpu]'``):
-torchao 0.17.0 (the wheel carried in ``.whl/``) trains float8 with torch 2.11 on the GPU machine (H100), and
+torchao 0.17.0 (the wheel carried in ``.whl/``) trains float8 with torch 2.11 on GPUs, and
 imports, converts and runs emulated float8 with torch 2.13 (CPU, this project's tests); its ``__init__``
 loads its compiled kernels only for torch >= 2.11 (the float8 training path itself is Python and Triton).
 Older torchao releases were built against older torch (0.15.x against 2.9.1 / 2.10, per torchao's own

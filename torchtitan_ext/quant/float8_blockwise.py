@@ -14,23 +14,22 @@ A block's scale is amax / 448 (448: e4m3's largest value), so its largest elemen
 get the amax floor ``EPS`` and quantise to zeros. ``pow2`` rounds the scale up to a power of two (exact
 scaling, as the rowwise recipe does); the GPU kernels use exact amax scales like the CPU default.
 
-The math here is plain torch (CPU, tests; ``emulate`` runs every GEMM as a matmul of the dequantised
-operands in the input's precision). On the GPU the same scheme runs through torchao 0.17's prototype
+The math here is plain torch (CPU, tests; ``emulate`` runs every GEMM as a matmul of the dequantised operands
+in the input's precision). On the GPU the same scheme runs through torchao 0.17's prototype
 ``torchao.prototype.blockwise_fp8_training``: its Triton quantisation kernels and cuBLAS's block-scaled FP8
-GEMMs through ``torch._scaled_mm``. Its alternative, torchao's Triton GEMMs, was measured 2.2x slower than
-cuBLAS on an 8192 x 4096 x 14336 GEMM (slower than bf16) and fails to compile under torch 2.11's inductor
-(benchmarks/probe_blockwise.py), so it is not offered. The swapped module subclasses ``nn.Linear`` and keeps
-its ``weight`` (and ``bias``) parameters, so checkpoints, FSDP and the initialisation plan see the same
-names and shapes.
+GEMMs through ``torch._scaled_mm``. Its alternative, torchao's Triton GEMMs, is slower than cuBLAS (slower
+than bf16 at large shapes) and fails to compile under torch 2.11's inductor, so it is not offered. The swapped
+module subclasses ``nn.Linear`` and keeps its ``weight`` (and ``bias``) parameters, so checkpoints, FSDP and
+the initialisation plan see the same names and shapes.
 
 cuBLAS's block-scaled GEMM reads the 128 x 128 weight scales with their contraction-block count rounded up to
 a multiple of 4 (torch's checks for ``_scaled_mm_v2`` spell out this layout, ``L4 = round_up(K / 128, 4)``);
 torchao 0.17 hands it unpadded scales, which ``torch._scaled_mm`` accepts. Any contraction of a number of
-blocks not divisible by 4 then comes out wrong (torch 2.11, H200, benchmarks/probe_blockwise_shapes.py: the
-outputs of 256 -> 256 and 256 -> 768 linears 66x and 2,269x off, 768 -> 256 1.6x; 1024 -> 2048 within 0.3% of
-the emulation). The forward contracts over in_features, the input gradient over out_features: so only linears
-whose in and out features are multiples of 512 (``CONTRACTION_MULTIPLE``) convert, the rest stay bf16 with
-the reason logged, and token counts are zero-padded to a multiple of 512 for the weight gradient.
+blocks not divisible by 4 then comes out wrong (with torch 2.11: small linears such as 256 -> 768 were off by
+orders of magnitude, while 1024 -> 2048 matched the emulation). The forward contracts over in_features, the
+input gradient over out_features: so only linears whose in and out features are multiples of 512
+(``CONTRACTION_MULTIPLE``) convert, the rest stay bf16 with the reason logged, and token counts are
+zero-padded to a multiple of 512 for the weight gradient.
 """
 
 from __future__ import annotations
@@ -115,7 +114,7 @@ class BlockwiseFloat8Linear(nn.Linear):
     autocast the input is cast to the autocast dtype first (as torchao's Float8Linear does); the weight is
     quantised from its own dtype. Token counts are zero-padded to a multiple of 512 for the wgrad blocks.
     The GPU path refuses in/out features that are not multiples of 512 (wrong results, the module docstring)
-    unless ``unchecked_shapes`` (benchmarks/probe_blockwise_shapes.py measures them)."""
+    unless ``unchecked_shapes`` (for measuring such shapes against the emulation)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, emulate: bool = False,
                  unchecked_shapes: bool = False, device: torch.device | str | None = None,

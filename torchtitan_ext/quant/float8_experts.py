@@ -153,13 +153,12 @@ def _scaled_grouped_mm(a: torch.Tensor, b: torch.Tensor, a_scales: torch.Tensor,
 
 class _Float8GroupedMM(torch.autograd.Function):
     """The float8 rowwise grouped GEMMs of one input with one or more weights on sm90 (``torch._scaled_grouped_mm``),
-    forward and both gradients, with torchao 0.17's scales and GEMMs but cheaper casts (RESULTS.md, the
-    Zen-shaped MoDE on one H200):
+    forward and both gradients, with torchao 0.17's scales and GEMMs but cheaper casts:
       * the input is cast once for all its weights (a SwiGLU expert's w1 and w3), forward and backward;
       * the weight's forward cast is torchao's fused rowwise kernel on the (experts x out, in) view of the
         weight; torchao's own grouped GEMM casts it with five elementwise passes over the float32 weight;
       * the weight gradients' per-(expert, column) casts are ``group_colwise_cast`` (a grid over fixed tiles,
-        not one program per expert), where torchao's per-expert kernel took 18% of the step.
+        not one program per expert), where torchao's per-expert kernel waits on the hottest expert.
     ``x``: (rows, in) bf16, row-major; ``ends``: int32 group ends, multiples of 16; each weight (experts, out,
     in). Returns one (rows, out) bf16 output per weight."""
 

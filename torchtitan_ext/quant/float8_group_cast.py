@@ -3,9 +3,9 @@
 The weight gradient of expert g is ``grad_out[g rows].T @ x[g rows]``: a GEMM over that expert's token rows. In
 float8 rowwise form each operand needs one scale per (expert, column), over the expert's rows, and its data in
 column-major order (``torch._scaled_grouped_mm`` reads the 2-d operands of a reduction over groups that way).
-torchao 0.17 does this with one program per (column block, expert) that walks the expert's rows; on the
-Zen-shaped MoDE (64 experts, the hottest getting ~10x the mean rows) that kernel took 42 ms of a 241 ms step on
-one H200 (RESULTS.md), about 12x its bytes' worth.
+torchao 0.17 does this with one program per (column block, expert) that walks the expert's rows, so with
+uneven routing (the hottest of 64 experts getting about ten times the mean rows) the hottest expert's programs
+set the kernel's time, many times its bytes' worth.
 
 Here the grid runs over fixed 64 x 128 tiles whatever the groups, so a hot expert spreads over as many programs
 as its rows fill. Token groups start and end on multiples of 16 rows (the GEMM's own requirement), so a 16-row

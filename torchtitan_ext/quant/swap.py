@@ -36,5 +36,5 @@ def convert_model(model: nn.Module, cfg: JobConfig) -> list[str]:
                      "float8.experts = true: the model has no MoDE layers, nothing to convert")
         if swapped and cfg.training.compile:
             lines.append("float8 experts, compiled: the expert GEMMs run eagerly between the compiled graphs "
-                         "(inside a graph they gave non-finite gradients: benchmarks/RESULTS.md)")
+                         "(inside a graph they gave non-finite gradients)")
     return lines

@@ -1,13 +1,15 @@
 """Every command-line tool of the package, by name:
 
+    torchtitan-ext <tool> [arguments]                    (the console script pip installs)
     python -m torchtitan_ext.tools <tool> [arguments]    (the same as python -m torchtitan_ext.<tool>)
 
-``python -m torchtitan_ext.tools <tool> --help`` describes one tool."""
+``torchtitan-ext <tool> --help`` describes one tool."""
 
 from __future__ import annotations
 
 import importlib
 import sys
+from typing import NoReturn
 
 from torchtitan_ext import cli
 
@@ -49,5 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     return importlib.import_module(f"torchtitan_ext.tools.{TOOLS[argv[0]][0]}").main(argv[1:])
 
 
-if __name__ == "__main__":
+def console_script() -> NoReturn:
+    """The ``torchtitan-ext`` command (``[project.scripts]`` in pyproject.toml): :func:`main` on ``sys.argv``,
+    left without interpreter teardown as the ``python -m`` shims leave (``cli.exit_now`` says why)."""
     cli.exit_now(main())
+
+
+if __name__ == "__main__":
+    console_script()

@@ -37,7 +37,7 @@ def parser() -> cli.ArgumentParser:
     p.add_argument("--mfu", action=cli.OptionValue, type=cli.positive_number, default=0.45, metavar="F",
                    help="achievable share of the peak for the compute alone (default: 0.45)")
     p.add_argument("--peak-tflops", action=cli.OptionValue, type=cli.positive_number, default=989.0, metavar="T",
-                   help="dense bf16 peak of one GPU (default: 989, H100 SXM)")
+                   help="dense bf16 peak of one GPU, TFLOP/s (default: 989)")
     p.add_argument("--intra-node-gbps", action=cli.OptionValue, type=cli.positive_number, default=360.0,
                    metavar="GB/s", help="bus bandwidth per GPU inside a node (default: 360, NVLink)")
     p.add_argument("--inter-node-gbps", action=cli.OptionValue, type=cli.positive_number, default=50.0,
@@ -45,7 +45,7 @@ def parser() -> cli.ArgumentParser:
     p.add_argument("--tp-gbps", action=cli.OptionValue, type=cli.positive_number, default=120.0, metavar="GB/s",
                    help="effective bandwidth of tensor parallelism's collectives inside a node (default: 120)")
     p.add_argument("--hbm-gbps", action=cli.OptionValue, type=cli.positive_number, default=2600.0, metavar="GB/s",
-                   help="HBM bandwidth the optimizer step achieves (default: 2600, H100 SXM)")
+                   help="HBM bandwidth the optimizer step achieves (default: 2600)")
     return p
 
 

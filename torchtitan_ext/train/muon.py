@@ -9,8 +9,8 @@ holds is learnt once by sharding an index tensor with the parameter's own placem
 (uneven, strided, replicated) is handled the same way. A 3-D parameter (MoDE experts) is a batch of
 matrices over its leading dim. Matrices a rank holds whole (plain tensors, or DTensors on a one-rank mesh, as
 FSDP2 makes on one GPU) skip the exchange and are orthogonalised in batches of equal shapes: one batched
-matmul chain per shape instead of a chain per matrix (on one H200 the per-matrix exchange made a 200M model's
-step 1.6x slower than AdamW's; benchmarks/RESULTS.md, time to loss).
+matmul chain per shape instead of a chain per matrix (a chain per matrix is many small launches, which made a
+small model's Muon step much slower than AdamW's).
 
 Under muP the scale above is kept and the width correction, 1 / sqrt(width_mult), rides on the group's lr
 (``optim.lr_scale`` says why), so the update equals Muon's at the base width.
