@@ -24,8 +24,13 @@ else
         echo "error: NNODES=$NNODES needs MASTER_ADDR (the host of the rendezvous, the same on every node)" >&2
         exit 2
     fi
+    port="${MASTER_PORT:-29500}"
+    if ! [[ "$port" =~ ^[0-9]{1,5}$ ]] || [ "$port" -lt 1 ] || [ "$port" -gt 65535 ]; then
+        echo "error: environment variable MASTER_PORT='$port': expected a port number, 1 to 65535" >&2
+        exit 2
+    fi
     rdzv=(--nnodes "$NNODES" --rdzv_backend c10d --rdzv_id "${RDZV_ID:-torchtitan_ext}" \
-          --rdzv_endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}")
+          --rdzv_endpoint "$MASTER_ADDR:$port")
 fi
 # NPROC_PER_NODE unset: the launcher counts the GPUs (2 CPU processes without CUDA)
 exec "$PY" -m torchtitan_ext.launch "${rdzv[@]}" ${NPROC_PER_NODE:+--nproc_per_node "$NPROC_PER_NODE"} \

@@ -147,3 +147,14 @@ def test_slurm_sbatch_by_hand_says_what_it_needs(tmp_path):
         "error: launch/slurm.sbatch needs SLURM_JOB_ID, SLURM_JOB_NUM_NODES and SLURM_JOB_NODELIST (Slurm sets "
         "them): submit it with sbatch --nodes=N launch/slurm.sbatch [--config FILE ...]; on one machine run "
         "launch/train.sh"]
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"NNODES": "2"}, "error: NNODES=2 needs MASTER_ADDR (the host of the rendezvous, the same on every node)"),
+    ({"NNODES": "2", "MASTER_ADDR": "node0", "MASTER_PORT": "abc"},
+     "error: environment variable MASTER_PORT='abc': expected a port number, 1 to 65535"),
+])
+def test_multi_node_variables_are_one_line(tmp_path, env, expected):
+    proc, _ = _train_sh(tmp_path, *SHRUNK, "--job.dump_folder", str(tmp_path / "run"), **env)
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [expected], proc.stderr
+    assert not (tmp_path / "run").exists()

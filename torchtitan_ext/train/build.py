@@ -37,6 +37,7 @@ from torchtitan_ext.parallel.fsdp import apply_ddp
 from torchtitan_ext.parallel.init import materialize_and_init
 from torchtitan_ext.parallel.parallelize import parallelize_decoder
 from torchtitan_ext.parallel.pp import check_schedule, split_stages
+from torchtitan_ext.parallel.rendezvous import join
 from torchtitan_ext.parallel.tp import check_tp
 from torchtitan_ext.quant.float8 import check_float8_supported
 from torchtitan_ext.quant.swap import convert_model
@@ -101,19 +102,21 @@ class BuiltRun(NamedTuple):
 
 def init_distributed(device_type: str, timeout_seconds: int = 1800) -> None:
     """torchrun sets RANK/WORLD_SIZE; a plain ``python -m`` run becomes a world of one. ``timeout_seconds``:
-    how long a collective may hang (a dead peer) before the job fails and torchrun can restart it."""
+    how long a collective may hang (a dead peer) before the job fails and torchrun can restart it, and by
+    default how long the processes wait for each other at the start (``parallel.rendezvous``)."""
     if dist.is_initialized():
         return
     backend = "cuda:nccl,cpu:gloo" if device_type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_seconds)
-    if "TORCHELASTIC_RESTART_COUNT" in os.environ:  # torchrun keeps its store across restarts: a fresh prefix
-        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))  # hides the dead workers' keys
-        store = dist.PrefixStore(f"attempt-{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-    elif "RANK" in os.environ:
-        dist.init_process_group(backend, timeout=timeout)
-    else:
+    if "RANK" not in os.environ:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return
+    store, rank, world = join(timeout_seconds)
+    store.set_timeout(timeout)
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ:
+        # torchrun keeps its store across restarts: a fresh prefix hides the dead workers' keys
+        store = dist.PrefixStore(f"attempt-{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 def build_runtime(cfg: JobConfig) -> Runtime:
