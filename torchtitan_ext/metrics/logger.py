@@ -178,6 +178,11 @@ def drop_after(path: Path, step: int) -> None:
     tmp.replace(path)
 
 
+def validated_at(path: Path, step: int) -> bool:
+    """The JSONL file at ``path`` records a validation loss for ``step``."""
+    return path.is_file() and any(r["step"] == step and "val_loss" in r for _, r in step_records(path))
+
+
 def step_records(path: Path) -> Iterator[tuple[str, dict]]:
     """(line, record) of each JSON object with an int ``step`` in the JSONL file at ``path``, skipping the
     others and a torn last line of a killed run."""

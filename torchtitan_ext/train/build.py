@@ -119,6 +119,31 @@ def init_distributed(device_type: str, timeout_seconds: int = 1800) -> None:
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity, bounded by a cgroup v2 CPU quota (a container's)."""
+    cores = len(os.sched_getaffinity(0))
+    with contextlib.suppress(OSError, ValueError):
+        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()
+        if quota != "max":
+            cores = min(cores, max(1, int(quota) // int(period)))
+    return cores
+
+
+def set_cpu_threads() -> str:
+    """torch's intra-op threads of a CPU process: ``OMP_NUM_THREADS`` when set, else the usable cores shared
+    evenly by this machine's processes of the job (``LOCAL_WORLD_SIZE``), at least one each; torch's default
+    gives every process every core, and processes that share cores spin against each other. Returns what
+    the start-up line says about it."""
+    if not os.environ.get("OMP_NUM_THREADS"):
+        cores, local = usable_cores(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        torch.set_num_threads(max(1, cores // local))
+        why = f"{cores} cores / {local} processes here; OMP_NUM_THREADS overrides"
+    else:
+        why = "OMP_NUM_THREADS"
+    n = torch.get_num_threads()
+    return f"{n} thread{'s' if n > 1 else ''} per process ({why})"
+
+
 def build_runtime(cfg: JobConfig) -> Runtime:
     """Pick the device, check what it can run, start the process group and build the mesh."""
     want_cuda = cfg.job.device == "cuda" or (cfg.job.device == "auto" and torch.cuda.is_available())
@@ -132,9 +157,10 @@ def build_runtime(cfg: JobConfig) -> Runtime:
         make_deterministic(cfg.job.seed)
     if want_cuda:
         torch.cuda.set_device(device)
+    threads = f", {set_cpu_threads()}" if device.type == "cpu" else ""
     init_distributed(device.type, cfg.comm.timeout_seconds)
     dims = ParallelDims.from_config(cfg.parallelism, dist.get_world_size())
-    log.info(f"parallelism: {dims.describe()}; device {device.type}")
+    log.info(f"parallelism: {dims.describe()}; device {device.type}{threads}")
     return Runtime(device, dist.get_rank(), dims)
 
 

@@ -35,7 +35,7 @@ from torchtitan_ext.distill.student import Distillation
 from torchtitan_ext.errors import RunStopped
 from torchtitan_ext.eval.bpb import batch_sums, summarize, token_bytes
 from torchtitan_ext.eval.sliding import reads_stream, token_weighted_mean, trainer_batches
-from torchtitan_ext.metrics.logger import MetricsLogger, flops_per_token, peak_flops
+from torchtitan_ext.metrics.logger import MetricsLogger, flops_per_token, peak_flops, validated_at
 from torchtitan_ext.metrics.memory import peak_memory_metrics
 from torchtitan_ext.metrics.profiling import Profiling
 from torchtitan_ext.metrics.wandb_sink import tracking_sinks
@@ -187,7 +187,7 @@ class Trainer:
         self.preemption.check_startup()  # nothing is written before this point
         t = cfg.training
         if self.step and (self.step > t.steps or self.step == t.steps and (
-                self.val_loader is None or cfg.eval.steps == 0)):
+                self.val_loader is None or cfg.eval.steps == 0 or validated_at(dump / "metrics.jsonl", t.steps))):
             raise NothingToTrain(f"nothing to train: resumed at step {self.step} and training.steps = {t.steps} "
                                  f"(raise training.steps to continue); nothing written")
         if not self.step and would_resume(cfg):  # every checkpoint unreadable, checkpoint.allow_fresh_start
