@@ -181,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     """Check the job, then run its workers; the exit code."""
     from torchtitan_ext.cli import setup_logging
     from torchtitan_ext.config.loader import help_text
+    from torchtitan_ext.tools.train import default_job
 
     argv = sys.argv[1:] if argv is None else argv
     torchrun_argv, trainer_argv = split_argv(argv)
@@ -192,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     setup_logging(rank=0)
     try:
+        trainer_argv = default_job(trainer_argv)
         cfg = preflight(trainer_argv)
     except (UserError, OSError, argparse.ArgumentError, RunStopped) as e:
         line, code = refusal(e)
