@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 
-from trainer_utils import TEST_CACHE
+from trainer_utils import REPO, TEST_CACHE
 
 from torchtitan_ext.cli import run_tool
 from torchtitan_ext.config.job_config import DataSection
@@ -80,3 +81,12 @@ def test_the_data_line_names_the_data_in_use():
     assert describe_data(chat) == "data: conversations chats.jsonl, no validation data; tokenizer builtin"
     domains = DataSection(dataset="domains", domains=[{"name": "code", "train": "a"}, {"name": "prose", "train": "b"}])
     assert describe_data(domains) == "data: 2 weighted domains (code, prose); tokenizer builtin"
+
+
+def test_the_coordinate_checks_plot_lands_in_the_ignored_outputs_folder():
+    from torchtitan_ext.tools.coord_check import parser
+
+    plot = parser().parse_known_args([])[0].plot
+    assert plot == "outputs/coord_check.png"
+    ignored = subprocess.run(["git", "check-ignore", "-q", plot], cwd=REPO)
+    assert ignored.returncode == 0  # .gitignore keeps it out of the repository
