@@ -2,8 +2,9 @@
 (``launch/train.sh`` runs it), answering like ``python -m torchtitan_ext.train`` does.
 
 * Before any worker starts, the config, the overrides and the dump folder are checked in this process, with
-  the trainer's own loader and folder claim (probe, lock, another run's files) and without importing torch:
-  a mistake is one ``error:`` line and exit code 2 within a second, not one line per worker and restart.
+  the trainer's own loader and folder claim (probe; lock and another run's files when this machine runs the
+  whole job) and without importing torch: a mistake is one ``error:`` line and exit code 2 within a second,
+  not one line per worker and restart.
 * Restarts (torchrun's ``--max_restarts``) are for crashes. A worker that refused its job (a user error, exit
   code 2), stopped it to protect its checkpoints (3) or was interrupted twice (130) would do the same again:
   the job ends at once. torchrun has no option for this; the agent below zeroes its remaining restarts when
@@ -54,10 +55,25 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     return [], argv
 
 
-def preflight(trainer_argv: list[str]) -> JobConfig:
+def single_node(torchrun_argv: list[str]) -> bool:
+    """torchrun's options start every process of the job on this machine (``--standalone``, or ``--nnodes 1``,
+    torchrun's default)."""
+    if "--standalone" in torchrun_argv:
+        return True
+    for i, arg in enumerate(torchrun_argv):
+        name, eq, value = arg.partition("=")
+        if name == "--nnodes":
+            value = value if eq else (torchrun_argv[i + 1] if i + 1 < len(torchrun_argv) else "")
+            return value in ("1", "1:1")
+    return True
+
+
+def preflight(trainer_argv: list[str], whole_job: bool) -> JobConfig:
     """What the trainer checks before it writes anything, done once here: the config and its overrides, the
-    tracking mode, the dump folder and the cache (writable, not locked by a live run, no other run's files in
-    the way of a start from step 0). The lock is taken and let go at once; the workers take it again."""
+    tracking mode, the dump folder and the cache (writable) and, when this machine runs the ``whole_job``, the
+    folder's claim: not locked by a live run, no other run's files in the way of a start from step 0 (the
+    lock is taken and let go at once; the workers take it again). On several machines the one whose worker
+    becomes rank 0 claims the folder, and another node, starting later, would find that run's lock and files."""
     from torchtitan_ext.checkpoint.run_folder import RunLock, check_fresh_start, probe_writable
     from torchtitan_ext.config.loader import parse_args
     from torchtitan_ext.metrics.wandb_sink import check_tracking
@@ -66,9 +82,10 @@ def preflight(trainer_argv: list[str]) -> JobConfig:
     check_tracking(cfg)
     probe_writable(cfg.job.dump_folder, "job.dump_folder")
     probe_writable(cfg.data.cache_dir, "data.cache_dir")
-    RunLock.acquire(cfg.job.dump_folder, print).release()
-    if not cfg.job.overwrite:  # job.overwrite moves the old files aside: the workers' rank 0 does that
-        check_fresh_start(cfg, 0, print)
+    if whole_job:
+        RunLock.acquire(cfg.job.dump_folder, print).release()
+        if not cfg.job.overwrite:  # job.overwrite moves the old files aside: the workers' rank 0 does that
+            check_fresh_start(cfg, 0, print)
     return cfg
 
 
@@ -194,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(rank=0)
     try:
         trainer_argv = default_job(trainer_argv)
-        cfg = preflight(trainer_argv)
+        cfg = preflight(trainer_argv, whole_job=single_node(torchrun_argv))
     except (UserError, OSError, argparse.ArgumentError, RunStopped) as e:
         line, code = refusal(e)
         print(line, file=sys.stderr, flush=True)
