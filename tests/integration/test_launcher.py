@@ -104,13 +104,10 @@ def _losses_until(dump: Path, step: int) -> dict[int, float]:
     return {s: v for s, v in losses(dump).items() if s <= step}
 
 
-def test_sigterm_to_the_launcher_saves_exits_0_and_the_resume_is_exact(tmp_path):
-    steps = ["--training.steps", "12", "--checkpoint.enabled", "true", "--checkpoint.interval", "100"]
-    reference, _ = _train_sh(tmp_path, *SHRUNK, *steps, "--job.dump_folder", str(tmp_path / "reference"))
-    assert reference.returncode == 0, reference.stderr[-3000:]
-
-    dump = tmp_path / "run"
-    cmd = ["bash", "launch/train.sh", *SHRUNK, *steps, "--job.dump_folder", str(dump)]
+def _stopped_by(tmp_path: Path, sig: signal.Signals, dump: Path, *args: str) -> int:
+    """``launch/train.sh`` sent ``sig`` once step 3 is logged: exit code 0, no traceback, one line naming the
+    step saved; that step."""
+    cmd = ["bash", "launch/train.sh", *SHRUNK, *args, "--job.dump_folder", str(dump)]
     with open(tmp_path / "stderr.log", "w") as stderr:
         job = subprocess.Popen(cmd, cwd=REPO, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=stderr, text=True)
     try:
@@ -118,7 +115,7 @@ def test_sigterm_to_the_launcher_saves_exits_0_and_the_resume_is_exact(tmp_path)
         for line in job.stdout:
             out.append(line)
             if line.startswith("step      3 "):
-                job.send_signal(signal.SIGTERM)  # train.sh execs the launcher: this is its pid
+                job.send_signal(sig)  # train.sh execs the launcher: this is its pid
                 break
         rest, _ = job.communicate(timeout=300)
     finally:
@@ -129,8 +126,26 @@ def test_sigterm_to_the_launcher_saves_exits_0_and_the_resume_is_exact(tmp_path)
     last = out_text.strip().splitlines()[-1]
     saved = int(last.split("after step ")[1].split(":")[0])
     assert last == (f"preempted (signal) after step {saved}: saved {dump}/checkpoint/step-{saved}; exiting "
-                    f"(this rank: SIGTERM)"), last
-    assert 3 <= saved < 12 and [x for x in out_text.splitlines() if x.startswith("preempted")] == [last]
+                    f"(this rank: {sig.name})"), last
+    assert [x for x in out_text.splitlines() if x.startswith("preempted")] == [last]
+    return saved
+
+
+def test_ctrl_c_to_the_launcher_saves_and_exits_0(tmp_path):
+    dump = tmp_path / "run"
+    saved = _stopped_by(tmp_path, signal.SIGINT, dump, "--training.steps", "1000", "--checkpoint.enabled", "true",
+                        "--checkpoint.interval", "1000")
+    assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == [f"step-{saved}"]
+
+
+def test_sigterm_to_the_launcher_saves_exits_0_and_the_resume_is_exact(tmp_path):
+    steps = ["--training.steps", "12", "--checkpoint.enabled", "true", "--checkpoint.interval", "100"]
+    reference, _ = _train_sh(tmp_path, *SHRUNK, *steps, "--job.dump_folder", str(tmp_path / "reference"))
+    assert reference.returncode == 0, reference.stderr[-3000:]
+
+    dump = tmp_path / "run"
+    saved = _stopped_by(tmp_path, signal.SIGTERM, dump, *steps)
+    assert 3 <= saved < 12
 
     resumed, _ = _train_sh(tmp_path, *SHRUNK, *steps, "--job.dump_folder", str(dump))
     assert resumed.returncode == 0, resumed.stderr[-3000:]

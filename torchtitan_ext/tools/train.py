@@ -1,4 +1,5 @@
-"""``python -m torchtitan_ext.train --config FILE [--section.key value ...]``.
+"""``python -m torchtitan_ext.train --config FILE [--section.key value ...]``; without any argument, the
+README's default job (``train_configs/debug.toml``, as ``launch/train.sh`` runs it).
 
 User mistakes (config, layout, data files) end with one ``error:`` line and exit code 2; a diverged
 run (NaN loss, or gradients non-finite for training.max_skipped_steps steps in a row) ends with exit
