@@ -173,3 +173,34 @@ def test_multi_node_variables_are_one_line(tmp_path, env, expected):
     proc, _ = _train_sh(tmp_path, *SHRUNK, "--job.dump_folder", str(tmp_path / "run"), **env)
     assert proc.returncode == 2 and proc.stderr.splitlines() == [expected], proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_a_crashed_worker_is_restarted_with_one_line(tmp_path):
+    """A worker killed (SIGKILL) after step 4's checkpoint: every worker restarts once (MAX_RESTARTS=1), says
+    so in one line, resumes and finishes; the job exits 0."""
+    dump = tmp_path / "run"
+    cmd = ["bash", "launch/train.sh", *SHRUNK, "--training.steps", "8", "--checkpoint.enabled", "true",
+           "--checkpoint.interval", "2", "--job.dump_folder", str(dump)]
+    with open(tmp_path / "stderr.log", "w") as stderr:
+        job = subprocess.Popen(cmd, cwd=REPO, env=_env(tmp_path, MAX_RESTARTS="1"), stdout=subprocess.PIPE,
+                               stderr=stderr, text=True)
+    try:
+        out = []
+        for line in job.stdout:
+            out.append(line)
+            if line.startswith("step      5 "):  # step-4 is published (synchronous save) before step 5 is logged
+                workers = [int(c) for task in Path(f"/proc/{job.pid}/task").iterdir()
+                           for c in (task / "children").read_text().split()]
+                assert len(workers) == 2
+                os.kill(workers[-1], signal.SIGKILL)
+                break
+        rest, _ = job.communicate(timeout=300)
+    finally:
+        job.kill()
+    out_text, err = "".join(out) + rest, (tmp_path / "stderr.log").read_text()
+    assert job.returncode == 0, out_text[-2000:] + err[-3000:]
+    restarts = [x for x in out_text.splitlines() if "restarting every worker" in x]
+    assert restarts == ["worker rank 1 failed (killed by SIGKILL): restarting every worker from the latest "
+                        "checkpoint (restart 1 of 1)"], out_text[-3000:]
+    assert "resumed from" in out_text and (dump / "checkpoint" / "step-8").is_dir()

@@ -141,8 +141,9 @@ def _agent_class(workers: _Workers, log: logging.Logger) -> type:
                     self._remaining_restarts = 0
                 elif self._remaining_restarts > 0:
                     rank, failure = min(result.failures.items(), key=lambda kv: kv[1].timestamp)
+                    most = worker_group.spec.max_restarts
                     log.info(f"worker rank {rank} failed ({_exit_text(failure.exitcode)}): restarting every worker "
-                             f"from the latest checkpoint ({self._remaining_restarts} restarts left)")
+                             f"from the latest checkpoint (restart {most - self._remaining_restarts + 1} of {most})")
             return result
 
     return Agent
