@@ -172,6 +172,15 @@ def user_error(e: ValueError) -> UserError:
     return e if isinstance(e, UserError) else UserError(str(e))
 
 
+def refusal(e: UserError | OSError | argparse.ArgumentError | RunStopped) -> tuple[str, int]:
+    """The one ``error:`` line and the exit code for a user mistake, an OS refusal (a full disk, a read-only or
+    forbidden path: the path and the system's reason) or a run that stopped itself."""
+    if isinstance(e, OSError) and not isinstance(e, FileNotFoundError | NotADirectoryError):
+        where = f"{e.filename}: " if e.filename else ""
+        return f"error: {where}{e.strerror or e}", EXIT_USER
+    return f"error: {e}", EXIT_STOPPED if isinstance(e, RunStopped) else EXIT_USER
+
+
 def run_tool(main: Callable[[list[str]], int | None], argv: list[str] | None = None) -> int:
     """Run ``main(argv)``; a user mistake is one line and exit code 2, a run that stopped itself one line and
     exit code 3; the process group, if one was started, is destroyed. An unexpected exception on a rank of a
@@ -183,18 +192,15 @@ def run_tool(main: Callable[[list[str]], int | None], argv: list[str] | None = N
         if not logging.getLogger("torchtitan_ext").handlers:
             setup_logging()
         return main(argv) or EXIT_OK
-    except (UserError, FileNotFoundError, NotADirectoryError, argparse.ArgumentError, RunStopped) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return EXIT_STOPPED if isinstance(e, RunStopped) else EXIT_USER
     except OutOfDeviceMemory as e:  # one rank's: the others may wait in a collective it will never join
         print(f"error: {e}", file=sys.stderr, flush=True)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if _process_group_size() > 1:
             exit_now(EXIT_OUT_OF_MEMORY)
         return EXIT_OUT_OF_MEMORY
-    except OSError as e:  # a full disk, a read-only or forbidden path: the path and the system's reason
-        where = f"{e.filename}: " if e.filename else ""
-        print(f"error: {where}{e.strerror or e}", file=sys.stderr, flush=True)
-        return EXIT_USER
+    except (UserError, OSError, argparse.ArgumentError, RunStopped) as e:
+        line, code = refusal(e)
+        print(line, file=sys.stderr, flush=True)
+        return code
     except KeyboardInterrupt:  # Ctrl-C where the tool has not taken over the signal (imports, config parsing)
         print("error: interrupted (SIGINT): stopped at once", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED

@@ -75,6 +75,21 @@ def build_loaders(cfg: JobConfig, tokenizer, *, dp_rank: int, dp_world_size: int
     return DataBundle(loader, val_loader, documents)
 
 
+def describe_data(d: DataSection) -> str:
+    """The data this job reads, for its start-up line (a config's ``job.description`` may predate overrides)."""
+    val = f", validation {d.val_path}" if d.val_path else ", no validation data"
+    if d.dataset == "builtin":
+        what = "the built-in corpus (the Python standard library's sources)"
+    elif d.dataset == "domains":
+        names = [str(t.get("name", "?")) if isinstance(t, dict) else "?" for t in d.domains]
+        what = f"{len(d.domains)} weighted domains ({', '.join(names)})"
+    elif d.dataset == "chat":
+        what = f"conversations {d.train_path}{val}"
+    else:
+        what = f"{'tree ' if d.dataset == 'trees' else ''}shards {d.train_path}{val}"
+    return f"data: {what}; tokenizer {d.tokenizer}"
+
+
 def source_name(d: DataSection) -> str:
     """The ``SOURCES`` key, which ``data.dataset`` alone names: ConfigError (one line) where another key asks
     for another source, so that no key silently overrides the one the user wrote."""

@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 # Dense bf16 tensor-core peaks (FLOP/s) used for MFU; GPUs not listed report no MFU.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12}
 ETA_WINDOW = 10  # logged steps whose rate gives the ETA
-CONSOLE_FIELDS = {"loss": "loss {:.4f}", "val_loss": "val {:.4f}", "grad_norm": "gnorm {:.3f}", "lr": "lr {:.2e}",
+CONSOLE_FIELDS = {"loss": "loss {:.4f}", "val_loss": "val {:.4f}", "val_windows": "({:,.0f} windows)",
+                  "grad_norm": "gnorm {:.3f}", "lr": "lr {:.2e}",
                   "tokens_per_sec": "tok/s {:,.0f}", "mfu": "mfu {:.1%}", "memory_gib": "mem {:.1f}GiB",
                   "memory_max_gib": "(max rank {:.1f})"}
 
@@ -176,6 +177,11 @@ def drop_after(path: Path, step: int) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(line + "\n" for line, record in step_records(path) if record["step"] <= step))
     tmp.replace(path)
+
+
+def validated_at(path: Path, step: int) -> bool:
+    """The JSONL file at ``path`` records a validation loss for ``step``."""
+    return path.is_file() and any(r["step"] == step and "val_loss" in r for _, r in step_records(path))
 
 
 def step_records(path: Path) -> Iterator[tuple[str, dict]]:

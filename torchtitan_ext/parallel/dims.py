@@ -29,7 +29,8 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")  # what t
 def launch_env() -> dict[str, int]:
     """The launcher's variables that are set (``LAUNCH_VARS``), as integers; one ``UserError`` line naming the
     variable and its value when one is not a whole number (ranks >= 0, sizes >= 1) or a rank is not below its
-    size. A plain ``python -m`` run sets none of them."""
+    size, and for a RANK without WORLD_SIZE or a WORLD_SIZE above 1 without RANK (that process would train alone,
+    as a world of one). A plain ``python -m`` run sets none of them."""
     values = {}
     for name in LAUNCH_VARS:
         if (raw := os.environ.get(name)) is None:
@@ -45,6 +46,13 @@ def launch_env() -> dict[str, int]:
     for rank, size in (("RANK", "WORLD_SIZE"), ("LOCAL_RANK", "LOCAL_WORLD_SIZE")):
         if rank in values and size in values and values[rank] >= values[size]:
             raise UserError(f"environment variable {rank}={values[rank]}: expected below {size}={values[size]}")
+    if "RANK" in values and "WORLD_SIZE" not in values:
+        raise UserError(f"environment variable RANK={values['RANK']} without WORLD_SIZE: a process of a job needs "
+                        "both (torchrun sets them; unset RANK for a plain one-process run)")
+    if values.get("WORLD_SIZE", 1) > 1 and "RANK" not in values:
+        raise UserError(f"environment variable WORLD_SIZE={values['WORLD_SIZE']} without RANK: each of the "
+                        f"{values['WORLD_SIZE']} processes needs its RANK (torchrun or launch/train.sh sets both); "
+                        "unset WORLD_SIZE for a plain one-process run")
     return values
 
 

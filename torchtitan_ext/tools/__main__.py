@@ -16,6 +16,7 @@ from torchtitan_ext import cli
 # tool (as in ``python -m torchtitan_ext.<tool>``) -> (its module in torchtitan_ext.tools, what it does)
 TOOLS: dict[str, tuple[str, str]] = {
     "train": ("train", "train a model from a job config (torchrun for several processes)"),
+    "launch": ("launch", "torchrun for the trainer: the job checked first, restarts for crashes only"),
     "eval": ("eval", "validation loss and bits per byte of a job's checkpoint, as JSON"),
     "generate": ("generate", "continue prompts with a trained checkpoint"),
     "export": ("export", "a trained checkpoint as a Hugging Face folder"),

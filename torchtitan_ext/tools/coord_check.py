@@ -12,6 +12,8 @@ prints the table alone.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from torchtitan_ext import cli
 from torchtitan_ext.config.loader import parse_args
 from torchtitan_ext.errors import UserError
@@ -35,8 +37,8 @@ def parser() -> cli.ArgumentParser:
                    help="model widths (dim) to compare (default 128,256,512,1024)")
     p.add_argument("--steps", action=cli.OptionValue, metavar="N", type=int, default=5,
                    help="optimizer steps at each width (default 5)")
-    p.add_argument("--plot", action=cli.OptionValue, metavar="PNG", default="coord_check.png",
-                   help="where to write the plot (default coord_check.png; '': none)")
+    p.add_argument("--plot", action=cli.OptionValue, metavar="PNG", default="outputs/coord_check.png",
+                   help="where to write the plot (default outputs/coord_check.png; '': none)")
     return p
 
 
@@ -52,6 +54,7 @@ def _main(argv: list[str]) -> int:
     result = run_coord_check(parse_args(cli.job_argv(ns, rest)), widths, ns.steps)
     print(format_table(result))
     if ns.plot:
+        Path(ns.plot).parent.mkdir(parents=True, exist_ok=True)
         plot(result, ns.plot)
         print(f"plot: {ns.plot}")
     return 0

@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TextIO
 
 from torchtitan_ext import cli
 from torchtitan_ext.checkpoint.manager import CheckpointManager, ModelParts
@@ -44,10 +47,24 @@ def parser() -> cli.ArgumentParser:
     return p
 
 
-def _progress(shard: str, done: int, total: int, rate: float) -> None:
-    """One console line per shard, rewritten in place."""
-    end = "\n" if done == total else ""
-    print(f"\r{shard}: {done}/{total} windows, {rate:,.0f} tokens/s", end=end, file=sys.stderr, flush=True)
+class Progress:
+    """The pass's progress on stderr: on a terminal one line per shard, rewritten in place; elsewhere (a log
+    file, a pipe) a line every ``period`` seconds and at each shard's end: a file keeps the terminal's carriage
+    returns as one endless line."""
+
+    def __init__(self, stream: TextIO = sys.stderr, period: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.stream, self.period, self.clock = stream, period, clock
+        self.in_place = stream.isatty()
+        self.last = clock()
+
+    def __call__(self, shard: str, done: int, total: int, rate: float) -> None:
+        line = f"{shard}: {done}/{total} windows, {rate:,.0f} tokens/s"
+        if self.in_place:
+            print(f"\r{line}", end="\n" if done == total else "", file=self.stream, flush=True)
+        elif done == total or self.clock() - self.last >= self.period:
+            self.last = self.clock()
+            print(line, file=self.stream, flush=True)
 
 
 def _main(argv: list[str]) -> int:
@@ -77,7 +94,7 @@ def _main(argv: list[str]) -> int:
     loader = data.loader
     figures = write_sidecars(model.parts[0], loader.shards, loader.tokens, loader.seq_len, loader.local_batch_size,
                              dims.dp_rank, dims.dp, args.vocab_size, k, Path(ns.output), cfg.job.seed, runtime.device,
-                             lambda: forward_context(cfg, runtime), _progress if runtime.rank == 0 else None)
+                             lambda: forward_context(cfg, runtime), Progress() if runtime.rank == 0 else None)
     log.info(f"teacher pass: {figures['tokens']:,} tokens in {figures['seconds']:.1f} s "
              f"({figures['tokens_per_sec']:,.0f} tokens/s); sidecar {figures['bytes_per_token']} bytes/token at "
              f"k = {k} vs dense bf16 {2 * args.vocab_size:,} "

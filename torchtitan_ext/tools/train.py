@@ -1,4 +1,5 @@
-"""``python -m torchtitan_ext.train --config FILE [--section.key value ...]``.
+"""``python -m torchtitan_ext.train --config FILE [--section.key value ...]``; without any argument, the
+README's default job (``train_configs/debug.toml``, as ``launch/train.sh`` runs it).
 
 User mistakes (config, layout, data files) end with one ``error:`` line and exit code 2; a diverged
 run (NaN loss, or gradients non-finite for training.max_skipped_steps steps in a row) ends with exit
@@ -21,21 +22,33 @@ import logging
 import os
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
-from torchtitan_ext.cli import run_tool, setup_logging
+from torchtitan_ext.cli import UsageError, run_tool, setup_logging
 from torchtitan_ext.config.job_config import JobConfig
 from torchtitan_ext.config.loader import help_text, parse_args
 
 log = logging.getLogger("torchtitan_ext.train")
+
+# No arguments at all: the README's default job, the one ``launch/train.sh`` runs without arguments.
+DEFAULT_JOB = Path(__file__).resolve().parents[2] / "train_configs" / "debug.toml"
+
+
+def default_job(argv: list[str]) -> list[str]:
+    """``argv``, or for no arguments at all ``--config`` and the default job's file (one line when this
+    installation has no ``train_configs/``)."""
+    if argv:
+        return argv
+    if not DEFAULT_JOB.is_file():
+        raise UsageError(f"no --config: give the job's TOML file (--config FILE; the default job "
+                         f"{DEFAULT_JOB} is not in this installation); --help lists every key")
+    log.info(f"no arguments: the default job, --config {DEFAULT_JOB}")
+    return ["--config", str(DEFAULT_JOB)]
 
 
 def _train(argv: list[str]) -> int:
     if "-h" in argv or "--help" in argv:
         print(help_text())
         return 0
-    cfg = parse_args(argv)
+    cfg = parse_args(default_job(argv))
     from torchtitan_ext.train.preemption import handlers_restored
 
     with handlers_restored():
@@ -43,7 +56,11 @@ def _train(argv: list[str]) -> int:
 
 
 def _run(cfg: JobConfig) -> int:
+    import torch
+    import torch.distributed as dist
+
     from torchtitan_ext.checkpoint.run_folder import NothingToTrain, claim
+    from torchtitan_ext.data.registry import describe_data
     from torchtitan_ext.metrics.logger import rank_log
     from torchtitan_ext.metrics.wandb_sink import check_tracking
     from torchtitan_ext.train.out_of_memory import out_of_memory
@@ -59,7 +76,8 @@ def _run(cfg: JobConfig) -> int:
         try:
             setup_logging(rank, Path(cfg.job.dump_folder) / "logs" / f"rank-{rank}.log")
             with rank_log(cfg.job.dump_folder, rank):
-                for note in ([f"job: {cfg.job.description}"] if cfg.job.description else []) + notes:
+                described = [f"job: {cfg.job.description}"] if cfg.job.description else []
+                for note in [*described, describe_data(cfg.data), *notes]:
                     log.info(note)
                 trainer = None
                 try:

@@ -37,6 +37,7 @@ from torchtitan_ext.parallel.fsdp import apply_ddp
 from torchtitan_ext.parallel.init import materialize_and_init
 from torchtitan_ext.parallel.parallelize import parallelize_decoder
 from torchtitan_ext.parallel.pp import check_schedule, split_stages
+from torchtitan_ext.parallel.rendezvous import join
 from torchtitan_ext.parallel.tp import check_tp
 from torchtitan_ext.quant.float8 import check_float8_supported
 from torchtitan_ext.quant.swap import convert_model
@@ -101,19 +102,46 @@ class BuiltRun(NamedTuple):
 
 def init_distributed(device_type: str, timeout_seconds: int = 1800) -> None:
     """torchrun sets RANK/WORLD_SIZE; a plain ``python -m`` run becomes a world of one. ``timeout_seconds``:
-    how long a collective may hang (a dead peer) before the job fails and torchrun can restart it."""
+    how long a collective may hang (a dead peer) before the job fails and torchrun can restart it, and by
+    default how long the processes wait for each other at the start (``parallel.rendezvous``)."""
     if dist.is_initialized():
         return
     backend = "cuda:nccl,cpu:gloo" if device_type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_seconds)
-    if "TORCHELASTIC_RESTART_COUNT" in os.environ:  # torchrun keeps its store across restarts: a fresh prefix
-        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))  # hides the dead workers' keys
-        store = dist.PrefixStore(f"attempt-{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-    elif "RANK" in os.environ:
-        dist.init_process_group(backend, timeout=timeout)
-    else:
+    if "RANK" not in os.environ:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return
+    store, rank, world = join(timeout_seconds)
+    store.set_timeout(timeout)
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ:
+        # torchrun keeps its store across restarts: a fresh prefix hides the dead workers' keys
+        store = dist.PrefixStore(f"attempt-{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity, bounded by a cgroup v2 CPU quota (a container's)."""
+    cores = len(os.sched_getaffinity(0))
+    with contextlib.suppress(OSError, ValueError):
+        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()
+        if quota != "max":
+            cores = min(cores, max(1, int(quota) // int(period)))
+    return cores
+
+
+def set_cpu_threads() -> str:
+    """torch's intra-op threads of a CPU process: ``OMP_NUM_THREADS`` when set, else the usable cores shared
+    evenly by this machine's processes of the job (``LOCAL_WORLD_SIZE``), at least one each; torch's default
+    gives every process every core, and processes that share cores spin against each other. Returns what
+    the start-up line says about it."""
+    if not os.environ.get("OMP_NUM_THREADS"):
+        cores, local = usable_cores(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        torch.set_num_threads(max(1, cores // local))
+        why = f"{cores} cores / {local} processes here; OMP_NUM_THREADS overrides"
+    else:
+        why = "OMP_NUM_THREADS"
+    n = torch.get_num_threads()
+    return f"{n} thread{'s' if n > 1 else ''} per process ({why})"
 
 
 def build_runtime(cfg: JobConfig) -> Runtime:
@@ -129,9 +157,10 @@ def build_runtime(cfg: JobConfig) -> Runtime:
         make_deterministic(cfg.job.seed)
     if want_cuda:
         torch.cuda.set_device(device)
+    threads = f", {set_cpu_threads()}" if device.type == "cpu" else ""
     init_distributed(device.type, cfg.comm.timeout_seconds)
     dims = ParallelDims.from_config(cfg.parallelism, dist.get_world_size())
-    log.info(f"parallelism: {dims.describe()}; device {device.type}")
+    log.info(f"parallelism: {dims.describe()}; device {device.type}{threads}")
     return Runtime(device, dist.get_rank(), dims)
 
 

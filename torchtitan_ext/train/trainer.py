@@ -35,7 +35,7 @@ from torchtitan_ext.distill.student import Distillation
 from torchtitan_ext.errors import RunStopped
 from torchtitan_ext.eval.bpb import batch_sums, summarize, token_bytes
 from torchtitan_ext.eval.sliding import reads_stream, token_weighted_mean, trainer_batches
-from torchtitan_ext.metrics.logger import MetricsLogger, flops_per_token, peak_flops
+from torchtitan_ext.metrics.logger import MetricsLogger, flops_per_token, peak_flops, validated_at
 from torchtitan_ext.metrics.memory import peak_memory_metrics
 from torchtitan_ext.metrics.profiling import Profiling
 from torchtitan_ext.metrics.wandb_sink import tracking_sinks
@@ -187,7 +187,7 @@ class Trainer:
         self.preemption.check_startup()  # nothing is written before this point
         t = cfg.training
         if self.step and (self.step > t.steps or self.step == t.steps and (
-                self.val_loader is None or cfg.eval.steps == 0)):
+                self.val_loader is None or cfg.eval.steps == 0 or validated_at(dump / "metrics.jsonl", t.steps))):
             raise NothingToTrain(f"nothing to train: resumed at step {self.step} and training.steps = {t.steps} "
                                  f"(raise training.steps to continue); nothing written")
         if not self.step and would_resume(cfg):  # every checkpoint unreadable, checkpoint.allow_fresh_start
@@ -420,7 +420,8 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """The validation figures: val_loss, token-weighted over the validation split (every domain's, with
-        data.domains), val_bpb, per-domain val/loss/<d> and val/bpb/<d>, and the mixing weights data/weight/<d>
+        data.domains), val_bpb, val_windows (the windows scored, all ranks and splits), per-domain val/loss/<d>
+        and val/bpb/<d>, and the mixing weights data/weight/<d>
         after adaptive mixing has updated them from these losses. Empty when there is nothing to evaluate."""
         if self.val_loader is None or self.cfg.eval.steps == 0:
             return {}
@@ -434,7 +435,7 @@ class Trainer:
         if self.ema is not None and self.cfg.eval.use_ema:
             ema_weights.enter_context(self.ema.swapped_in())
         loaders = self.val_loader if isinstance(self.val_loader, dict) else {"": self.val_loader}
-        sums = torch.zeros(len(loaders), 3, dtype=torch.float64, device=self.device)
+        sums = torch.zeros(len(loaders), 4, dtype=torch.float64, device=self.device)  # batch_sums', windows
         for row, loader in enumerate(loaders.values()):
             for batch in trainer_batches(loader, self.cfg, self.dims.dp_rank, self.dims.dp):  # as the eval tool's
                 inputs, labels = batch.inputs.to(self.device), batch.labels.to(self.device)
@@ -446,14 +447,16 @@ class Trainer:
                     with forward_context(self.cfg, self.run.runtime), self._loss_context():
                         logits = self.model_parts[0](inputs, **self.attn.model_kwargs(batch, self.device))
                         loss = _plain(self._loss(logits, labels))
-                sums[row] += batch_sums(loss, labels, self.token_bytes)
+                sums[row, :3] += batch_sums(loss, labels, self.token_bytes)
+                sums[row, 3] += (labels >= 0).any(dim=-1).sum()  # the windows that score a token
         for m in self.model_parts:
             m.train()
         self.evaluating = False
         ema_weights.close()
         if self.dims.dp > 1:
             dist.all_reduce(sums, group=self.dims.submesh("dp").get_group())
-        val, figures = summarize(list(loaders), sums)
+        val, figures = summarize(list(loaders), sums[:, :3])
+        figures["val_windows"] = float(sums[:, 3].sum())
         if isinstance(self.loader, MixingLoader):  # the adaptive update, then the weights in use
             self.loader.update({k.removeprefix("val/loss/"): v for k, v in figures.items()
                                 if k.startswith("val/loss/")})
@@ -539,7 +542,8 @@ class Trainer:
         self.checkpointer.finish_pending()
         figures = self.evaluate() if self.last_eval_step != self.step else {}  # not twice for the last step
         if figures:
-            log.info(f"validation loss {figures['val_loss']:.4f}")
+            log.info(f"validation loss {figures['val_loss']:.4f} over {figures['val_windows']:,.0f} windows of "
+                     f"{self.cfg.training.seq_len} tokens (eval.steps = {self.cfg.eval.steps})")
             self.metrics.log(self.step, figures)
         log.info(self._where_outputs_are())
 

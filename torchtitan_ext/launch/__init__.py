@@ -1,0 +1,1 @@
+"""``python -m torchtitan_ext.launch``: the command line is ``tools/launch.py``."""
