@@ -182,6 +182,10 @@ class ParallelismSection:
     ep_rebalance_steps: int = opt(0, "every N steps move experts between the expert-parallel ranks by their "
                                   "routed load (0: never); needs ep = dp_shard > 1 with no dp_replicate or pp",
                                   min=0)
+    cp: int = opt(1, "context parallel degree: each sequence is cut into 2 x cp chunks over cp ranks "
+                  "(FSDP shards over dp_shard x cp)", min=1)
+    cp_scheme: str = opt("ring", "context parallel attention: ring (K/V passed around the CP ranks) or alltoall "
+                         "(heads exchanged for sequence; kv heads x group divisible by cp)", choices=("ring", "alltoall"))
     dp_mode: str = opt("fsdp", "data parallel style on dp_shard: FSDP2, or plain DDP (replicate)",
                        choices=("fsdp", "ddp"))
     pp_schedule: str = opt("1F1B", "pipeline schedule", choices=(
