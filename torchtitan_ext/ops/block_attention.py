@@ -126,11 +126,11 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
     if not _on_flash(q, kind) or dlse is not None:
         return _recomputed_backward(dout, q, k, v, out, lse, kind, mask, scale, dlse)
-    empty = torch.empty(0, device=q.device, dtype=torch.long)
-    tk = k.shape[2]
+    no_rng = torch.empty(0, device=q.device, dtype=torch.long)  # dropout 0: the RNG state is not read
+    # No cumulative sequence lengths (None): the dense, not the variable-length, kernel.
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout.to(q.dtype), q, k, v, out.to(q.dtype), lse.float().contiguous(), empty, empty, tq, tk, 0.0,
-        kind == "causal", empty, empty, scale=scale)
+        dout.to(q.dtype), q, k, v, out.to(q.dtype), lse.float().contiguous(), None, None, tq, k.shape[2], 0.0,
+        kind == "causal", no_rng, no_rng, scale=scale)
 
 
 def _recomputed_backward(dout, q, k, v, out, lse, kind, mask, scale, dlse):
