@@ -99,12 +99,14 @@ class _Ring:
         received = torch.empty_like(tensor)
         ops = [dist.P2POp(dist.isend, tensor, self.next, self.group, tag),
                dist.P2POp(dist.irecv, received, self.prev, self.group, tag)]
-        return _Hop(dist.batch_isend_irecv(ops), received)
+        return _Hop(dist.batch_isend_irecv(ops), tensor, received)
 
 
 class _Hop:
-    def __init__(self, requests, received: torch.Tensor):
-        self.requests, self.received = requests, received
+    """A transfer in flight; it holds the sent tensor, which must live until the send completes."""
+
+    def __init__(self, requests, sent: torch.Tensor, received: torch.Tensor):
+        self.requests, self.sent, self.received = requests, sent, received
 
     def wait(self) -> torch.Tensor:
         for request in self.requests:

@@ -43,7 +43,8 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, cfg: JobConfig, on
         # gave non-finite gradient norms on some steps (benchmarks/RESULTS.md, "Compiled float8 MoDE experts").
         in_graph = on_gpu and not moe_fsdp_units and not cfg.float8.experts
         apply_compile(model, experts_in_graph=in_graph, tensor_parallel=dims.tp > 1,
-                      compile_head=cfg.float8.enabled and cfg.float8.include_output)
+                      compile_head=cfg.float8.enabled and cfg.float8.include_output,
+                      eager_attention=dims.cp > 1 and cfg.parallelism.cp_scheme == "ring")
         if dims.tp > 1 and model.tok_embeddings is not None:
             log.info("compile: under TP the embedding's reduce-scatter completes before the first compiled block "
                   "(torch 2.13 loses the gradient of an in-flight one: benchmarks/repro_tp_compile.py)")
