@@ -92,3 +92,11 @@ def test_bad_cp_layout_is_one_clear_line(tmp_path, overrides, message):
     assert "exitcode  : 2" in proc.stderr and "exitcode  : 1" not in proc.stderr
     ranks_said = proc.stderr.split("torch/distributed/elastic")[0]  # before torchrun's own report and traceback
     assert "Traceback" not in ranks_said, ranks_said
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["ring", "alltoall"])
+def test_cp2_compiled_matches_single_process(tiny_one_process, tmp_path, scheme):
+    """Compiled blocks: all-to-all inside each block's graph, the ring eager between the graphs."""
+    run_trainer(tmp_path, 2, *_cp(2, scheme), "--training.compile", "true")
+    _compare(tiny_one_process, tmp_path)
