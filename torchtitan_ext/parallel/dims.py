@@ -75,7 +75,8 @@ class ParallelDims:
         sizes = {"dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard}
         if -1 in sizes.values():
             rest = "dp_replicate" if sizes["dp_replicate"] == -1 else "dp_shard"
-            fixed = [(k, v) for k, v in {**sizes, "cp": p.cp, "tp": p.tp, "pp": p.pp}.items() if v != -1]
+            cp = {"cp": p.cp} if p.cp > 1 else {}  # named only when used
+            fixed = [(k, v) for k, v in {**sizes, **cp, "tp": p.tp, "pp": p.pp}.items() if v != -1]
             others = math.prod(v for _, v in fixed)
             if world_size < 1 or world_size % others:
                 raise ParallelDimsError(
@@ -87,9 +88,10 @@ class ParallelDims:
     def __post_init__(self) -> None:
         product = self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
         if product != self.world_size:
+            cp = f" x cp({self.cp})" if self.cp > 1 else ""
             raise ParallelDimsError(
-                f"parallelism: dp_replicate({self.dp_replicate}) x dp_shard({self.dp_shard}) x cp({self.cp}) x "
-                f"tp({self.tp}) x pp({self.pp}) = {product}, but the world size is {self.world_size}; "
+                f"parallelism: dp_replicate({self.dp_replicate}) x dp_shard({self.dp_shard}){cp} x tp({self.tp}) "
+                f"x pp({self.pp}) = {product}, but the world size is {self.world_size}; "
                 "set dp_shard = -1 to use the rest")
         if self.dp_shard % self.ep:
             raise ParallelDimsError(

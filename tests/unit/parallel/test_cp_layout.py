@@ -61,3 +61,15 @@ def test_seq_len_not_divisible_by_two_cp_is_one_line():
     with pytest.raises(ConfigError, match=r"^training.seq_len = 12 must be divisible by 2 x parallelism.cp = 8 "):
         check_cp_seq_len(12, 4)
     check_cp_seq_len(16, 4)
+
+
+def test_cp_is_a_degree_of_the_world_that_reads_no_other_data():
+    from torchtitan_ext.config.job_config import ParallelismSection
+    from torchtitan_ext.parallel.dims import ParallelDims, ParallelDimsError
+
+    d = ParallelDims.from_config(ParallelismSection(cp=2, tp=2), 16)
+    assert (d.dp_shard, d.cp, d.tp, d.dp, d.fsdp_enabled) == (4, 2, 2, 4, True)
+    assert ParallelDims.from_config(ParallelismSection(cp=2, dp_shard=1), 2).fsdp_enabled  # FSDP over cp alone
+    with pytest.raises(ParallelDimsError, match=r"^parallelism: dp_replicate\(1\) x dp_shard\(2\) x cp\(2\) x tp\(1\) "
+                                                r"x pp\(1\) = 4, but the world size is 8"):
+        ParallelDims.from_config(ParallelismSection(cp=2, dp_shard=2), 8)
