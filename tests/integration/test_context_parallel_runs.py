@@ -100,3 +100,10 @@ def test_cp2_compiled_matches_single_process(tiny_one_process, tmp_path, scheme)
     """Compiled blocks: all-to-all inside each block's graph, the ring eager between the graphs."""
     run_trainer(tmp_path, 2, *_cp(2, scheme), "--training.compile", "true")
     _compare(tiny_one_process, tmp_path)
+
+
+@pytest.mark.slow
+def test_hsdp2_cp2_matches_single_process(tiny_one_process, tmp_path):
+    """HSDP: FSDP shards over dp_shard x cp inside each of 2 replicas."""
+    run_trainer(tmp_path, 4, *_cp(2, "ring"), "--parallelism.dp_replicate", "2", "--training.local_batch_size", "2")
+    _compare(tiny_one_process, tmp_path)
