@@ -50,6 +50,9 @@ def check_cp(cfg, args: ModelArgs, dims) -> None:
                                   "does not combine with context parallelism yet"),
         (args.n_experts > 0, f"parallelism.cp = {cp} with a MoDE model (model.n_experts = {args.n_experts}): "
                              "experts do not combine with context parallelism yet"),
+        (cfg.comm.gradient_compression != "none", f"parallelism.cp = {cp} with comm.gradient_compression = "
+                                                  f"{cfg.comm.gradient_compression!r}: gradient compression does "
+                                                  "not combine with context parallelism yet"),
     )
     for refused, line in refusals:
         if refused:
