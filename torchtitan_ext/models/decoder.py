@@ -68,6 +68,43 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
 
 
+class AttentionCore(nn.Module):
+    """softmax(scale q k^T + mask) v of (batch, heads, seq, head_dim) tensors over this process's whole
+    sequence (``ops.attention``). Context parallelism swaps in cores that attend over a sequence split
+    across ranks (``parallel/context_parallel.py``)."""
+
+    def __init__(self, kernel: str = "sdpa"):
+        super().__init__()
+        self.kernel = kernel  # the causal CUDA kernel (``ops.attention``)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, need_lse: bool,
+                scale: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return attention(q, k, v, mask, need_lse=need_lse, scale=scale, kernel=self.kernel)
+
+    def lse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+            scale: float | None) -> torch.Tensor:
+        """The LSE alone (the metric) under a dense CPU mask, where the kernel returns none; no autograd."""
+        return attention_lse(q, k, v, mask, scale)
+
+
+class AttentionMask(nn.Module):
+    """The mask all attention cores of one forward take, built once per forward outside the blocks: None
+    for plain causal attention, ``build_mask`` of a visibility pair, or, when attention needs a differentiable
+    LSE (Z-reg) on CUDA, a causal BlockMask (FlexAttention returns it). Context parallelism swaps in builders
+    of its own masks (``parallel/context_parallel.py``)."""
+
+    def __init__(self, causal_flex: bool):
+        super().__init__()
+        self.causal_flex = causal_flex
+
+    def forward(self, visibility: tuple[torch.Tensor, torch.Tensor] | None, seq_len: int, device: torch.device):
+        if visibility is not None:
+            return build_mask(*visibility)
+        if self.causal_flex and device.type == "cuda":
+            return causal_block_mask(seq_len, device)
+        return None
+
+
 class Attention(nn.Module):
     """GQA attention. With interleaved KV sharing a consumer layer (``computes_kv`` false) has no wk / wv /
     k_norm and attends over the K (normalised, rotated) and V of its group's first layer."""
@@ -90,7 +127,7 @@ class Attention(nn.Module):
         self.lse_mean: torch.Tensor | None = None
         self.fused_kernels = options.fused_norm  # training.kernels = "triton": QK-norm + RoPE in one kernel
         self.softmax_scale = args.attention_scale  # None: 1 / sqrt(head_dim); muP: 1 / head_dim
-        self.kernel = options.attention_kernel  # the causal CUDA kernel (ops.attention)
+        self.core = AttentionCore(options.attention_kernel)
 
     def norm_and_rotate(self, q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -122,14 +159,14 @@ class Attention(nn.Module):
             (k, v), (q, _) = kv, self.norm_and_rotate(q, None, cos, sin)
         qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         want_lse = self.z_reg > 0 and torch.is_grad_enabled()
-        out, lse = attention(qh, kh, vh, mask, need_lse=want_lse, scale=self.softmax_scale, kernel=self.kernel)
+        out, lse = self.core(qh, kh, vh, mask, want_lse, self.softmax_scale)
         if want_lse:
             out = add_virtual_loss(out, attention_z_virtual(lse, self.z_reg, self.n_heads_total, self.n_layers),
                                    self.virtual_grad_scale)
         # The fused kernels return their LSE on every step, so its mean is taken on every step and the graph
         # does not depend on whether this is a log step; only a dense CPU mask needs a pass of its own.
         if lse is None and isinstance(mask, torch.Tensor) and self.record_lse:
-            lse = attention_lse(qh, kh, vh, mask, self.softmax_scale)
+            lse = self.core.lse(qh, kh, vh, mask, self.softmax_scale)
         if lse is not None:
             self.lse_mean = lse.detach().float().mean()
         return self.wo(out.transpose(1, 2).reshape(b, t, -1)), ((k, v) if self.shares_kv else None)
@@ -181,10 +218,7 @@ class Decoder(nn.Module):
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
         self.return_hidden = options.return_hidden
-        # When attention needs a differentiable LSE without a mask (Z-reg), on CUDA the causal attention runs
-        # FlexAttention with a causal BlockMask, which returns it (the LSE metric comes from the fused kernel).
-        self.z_reg = options.attention_z_reg
-        self.causal_flex = self.z_reg > 0
+        self.attention_mask = AttentionMask(causal_flex=options.attention_z_reg > 0)
         self.input_sequence_shards = 1  # a later pipeline stage's slice of the sequence (set_input_sequence_shards)
         cos, sin = rope_tables(args, device=torch.device("meta"))
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -229,9 +263,7 @@ class Decoder(nn.Module):
             rope = (self.rope_cos[None], self.rope_sin[None])
         else:
             rope = rope_at(self.args, positions)
-        mask = build_mask(*visibility) if visibility is not None else None
-        if mask is None and self.causal_flex and tokens.is_cuda:  # built here, outside the compiled blocks
-            mask = causal_block_mask(tokens.shape[1] * self.input_sequence_shards, tokens.device)
+        mask = self.attention_mask(visibility, tokens.shape[1] * self.input_sequence_shards, tokens.device)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         kv = None  # each KV-sharing group's (k, v), from its first layer to the rest
         for layer in self.layers.values():

@@ -8,10 +8,15 @@ import torch.nn as nn
 from torchtitan_ext.models.mode import MoDE
 
 
-def apply_compile(model: nn.Module, experts_in_graph: bool, tensor_parallel: bool, compile_head: bool = False
-                  ) -> None:
+def apply_compile(model: nn.Module, experts_in_graph: bool, tensor_parallel: bool, compile_head: bool = False,
+                  eager_attention: bool = False) -> None:
     """Compile each block as one graph (``fullgraph``), except MoDE blocks when ``experts_in_graph`` is
     false: their experts run eagerly between compiled graphs (see ``_compile_around_experts``).
+
+    ``eager_attention``: each block's attention runs eagerly between the block's graphs, its QK-norm and RoPE
+    compiled on their own (context parallel ring attention: its point-to-point transfers do not trace, and a
+    graph broken inside the attention hands its projections' views on, which torch 2.13 replays with corrupt
+    shapes).
 
     ``compile_head``: compile the output head too, in place (its parameter names stay). For a float8 head:
     eagerly, torchao's amax, scale and cast of the (tokens x vocabulary) logit gradient are separate kernels
@@ -28,7 +33,10 @@ def apply_compile(model: nn.Module, experts_in_graph: bool, tensor_parallel: boo
         if isinstance(inner.feed_forward, MoDE) and not experts_in_graph:
             _compile_around_experts(inner)
         else:
-            model.layers[name] = torch.compile(block, fullgraph=True)
+            if eager_attention:
+                inner.attention.forward = torch.compiler.disable(inner.attention.forward)
+                inner.attention.norm_and_rotate = torch.compile(inner.attention.norm_and_rotate, fullgraph=True)
+            model.layers[name] = torch.compile(block, fullgraph=not eager_attention)
     if compile_head and getattr(model, "output", None) is not None:
         model.output.compile(fullgraph=True)
 

@@ -1,8 +1,10 @@
 """Parallel degrees -> one DeviceMesh.
 
-World layout, outermost first: ``pp x dp_replicate x dp_shard x tp``. Expert parallelism is carved out of
+World layout, outermost first: ``pp x dp_replicate x dp_shard x cp x tp``. Expert parallelism is carved out of
 ``dp_shard``: ``dp_shard = dp_shard_mod_ep x ep``, so experts are sharded over ``ep`` and FSDP-sharded over
-``dp_shard_mod_ep`` while every other parameter is FSDP-sharded over all of ``dp_shard``.
+``dp_shard_mod_ep`` while every other parameter is FSDP-sharded over all of ``dp_shard``. Context parallel
+ranks (``cp``) hold different parts of the same sequences: they read the same batch (the data-parallel rank
+ignores ``cp``), and FSDP shards over ``dp_shard x cp`` (``dp_shard_cp``), as torchtitan does.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class ParallelDims:
     ep: int
     world_size: int
     dp_mode: str = "fsdp"
+    cp: int = 1
 
     @classmethod
     def from_config(cls, p: ParallelismSection, world_size: int) -> ParallelDims:
@@ -80,20 +83,22 @@ class ParallelDims:
         sizes = {"dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard}
         if -1 in sizes.values():
             rest = "dp_replicate" if sizes["dp_replicate"] == -1 else "dp_shard"
-            fixed = [(k, v) for k, v in {**sizes, "tp": p.tp, "pp": p.pp}.items() if v != -1]
+            cp = {"cp": p.cp} if p.cp > 1 else {}  # named only when used
+            fixed = [(k, v) for k, v in {**sizes, **cp, "tp": p.tp, "pp": p.pp}.items() if v != -1]
             others = math.prod(v for _, v in fixed)
             if world_size < 1 or world_size % others:
                 raise ParallelDimsError(
                     f"parallelism: {' x '.join(f'{k}({v})' for k, v in fixed)} = {others}, but the world size is "
                     f"{world_size}, not a multiple of it ({rest} = -1 takes the ranks left)")
             sizes[rest] = world_size // others
-        return cls(sizes["dp_replicate"], sizes["dp_shard"], p.tp, p.pp, p.ep, world_size, p.dp_mode)
+        return cls(sizes["dp_replicate"], sizes["dp_shard"], p.tp, p.pp, p.ep, world_size, p.dp_mode, p.cp)
 
     def __post_init__(self) -> None:
-        product = self.dp_replicate * self.dp_shard * self.tp * self.pp
+        product = self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
         if product != self.world_size:
+            cp = f" x cp({self.cp})" if self.cp > 1 else ""
             raise ParallelDimsError(
-                f"parallelism: dp_replicate({self.dp_replicate}) x dp_shard({self.dp_shard}) x tp({self.tp}) "
+                f"parallelism: dp_replicate({self.dp_replicate}) x dp_shard({self.dp_shard}){cp} x tp({self.tp}) "
                 f"x pp({self.pp}) = {product}, but the world size is {self.world_size}; "
                 "set dp_shard = -1 to use the rest")
         if self.dp_shard % self.ep:
@@ -103,6 +108,9 @@ class ParallelDims:
         if self.dp_mode == "ddp" and (self.tp > 1 or self.pp > 1 or self.ep > 1):
             raise ParallelDimsError("parallelism.dp_mode = 'ddp' supports data parallelism only; "
                                     "use dp_mode = 'fsdp' with tp, pp or ep")
+        if self.dp_mode == "ddp" and self.cp > 1:
+            raise ParallelDimsError(f"parallelism.cp = {self.cp} needs dp_mode = 'fsdp' (FSDP shards over "
+                                    "dp_shard x cp); dp_mode = 'ddp' does not combine with cp")
 
     @property
     def dp(self) -> int:
@@ -118,7 +126,7 @@ class ParallelDims:
 
     @property
     def fsdp_enabled(self) -> bool:
-        return self.dp_mode == "fsdp" and (self.dp_shard > 1 or self.dp_replicate > 1)
+        return self.dp_mode == "fsdp" and (self.dp_shard > 1 or self.dp_replicate > 1 or self.cp > 1)
 
     @property
     def ddp_enabled(self) -> bool:
@@ -129,15 +137,22 @@ class ParallelDims:
         """The world mesh with every dimension, plus flattened views ``dp``, ``dp_shard`` and, with TP,
         ``dp_shard_tp`` / ``dp_tp`` (the ranks that route different tokens through a MoDE layer: its
         parameters are sharded over the first, its expert loads summed over the second) and, with EP,
-        ``ep_tp`` (the ranks its experts are sharded over)."""
+        ``ep_tp`` (the ranks its experts are sharded over). ``dp_shard_cp`` (FSDP's shard ranks) and ``dp_cp``
+        (the ranks whose losses are averaged) add the context parallel ranks; without CP they are ``dp_shard``
+        and ``dp``."""
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-        names = ["pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp"]
-        sizes = [self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp]
+        names = ["pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp"]
+        sizes = [self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.cp, self.tp]
         mesh = init_device_mesh(device_type, tuple(sizes), mesh_dim_names=tuple(names))
         self._flat = {
             "dp_shard": mesh[("dp_shard_mod_ep", "ep")]._flatten("dp_shard"),
             "dp": mesh[("dp_replicate", "dp_shard_mod_ep", "ep")]._flatten("dp"),
         }
+        if self.cp > 1:
+            self._flat["dp_shard_cp"] = mesh[("dp_shard_mod_ep", "ep", "cp")]._flatten("dp_shard_cp")
+            self._flat["dp_cp"] = mesh[("dp_replicate", "dp_shard_mod_ep", "ep", "cp")]._flatten("dp_cp")
+        else:
+            self._flat["dp_shard_cp"], self._flat["dp_cp"] = self._flat["dp_shard"], self._flat["dp"]
         if self.tp > 1:
             self._flat["dp_shard_tp"] = mesh[("dp_shard_mod_ep", "ep", "tp")]._flatten("dp_shard_tp")
             self._flat["dp_tp"] = mesh[("dp_replicate", "dp_shard_mod_ep", "ep", "tp")]._flatten("dp_tp")
@@ -150,8 +165,10 @@ class ParallelDims:
         mesh = self.mesh
         if len(names) == 1:
             return self._flat[names[0]] if names[0] in self._flat else mesh[names[0]]
-        if names == ("dp_replicate", "dp_shard") and self.ep == 1:
+        if names in (("dp_replicate", "dp_shard"), ("dp_replicate", "dp_shard_cp")) and self.ep == 1 and self.cp == 1:
             return mesh[("dp_replicate", "dp_shard_mod_ep")]  # the same ranks, no flattened dim needed
+        if names == ("dp_replicate", "dp_shard_cp") and self.cp == 1:
+            names = ("dp_replicate", "dp_shard")
         return mesh[names]
 
     @property
@@ -159,5 +176,6 @@ class ParallelDims:
         return self.submesh("dp").get_local_rank()
 
     def describe(self) -> str:
+        cp = f" x cp {self.cp}" if self.cp > 1 else ""
         return (f"world {self.world_size} = pp {self.pp} x dp_replicate {self.dp_replicate} x dp_shard "
-                f"{self.dp_shard} (ep {self.ep}) x tp {self.tp}; data parallel {self.dp} ({self.dp_mode})")
+                f"{self.dp_shard} (ep {self.ep}){cp} x tp {self.tp}; data parallel {self.dp} ({self.dp_mode})")

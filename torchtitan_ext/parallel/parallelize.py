@@ -1,4 +1,4 @@
-"""Lay a meta-device Decoder out over the mesh, in torchtitan's order: TP -> EP -> AC -> compile -> FSDP.
+"""Lay a meta-device Decoder out over the mesh, in torchtitan's order: TP -> EP -> CP -> AC -> compile -> FSDP.
 Converters (float8, QAT, INT8: ``quant/swap.py``) have already run on the model."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from torchtitan_ext.models.mode import MoDE
 from torchtitan_ext.parallel.activation_checkpoint import apply_activation_checkpointing
 from torchtitan_ext.parallel.compile import apply_compile
 from torchtitan_ext.parallel.compression import replicate_all_reduce_replaced
+from torchtitan_ext.parallel.context_parallel import apply_cp
 from torchtitan_ext.parallel.dims import ParallelDims
 from torchtitan_ext.parallel.ep import apply_ep
 from torchtitan_ext.parallel.fsdp import DTYPES, apply_fsdp
@@ -29,6 +30,8 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, cfg: JobConfig, on
             enable_async_tp(dims.submesh("tp"), compiled=cfg.training.compile, on_gpu=on_gpu)
     if dims.ep > 1:
         apply_ep(model, dims.submesh("ep_tp" if dims.tp > 1 else "ep"), data_parallel_share=dims.ep)
+    if dims.cp > 1:
+        apply_cp(model, dims.submesh("cp").get_group(), cfg.parallelism.cp_scheme)
     moe_under_tp = dims.tp > 1 and any(isinstance(block.feed_forward, MoDE) for block in model.layers.values())
     moe_fsdp_units = dims.ep > 1 or moe_under_tp  # the experts (EP) or the MoDE layers (TP) shard on their own
     ac = cfg.activation_checkpoint
@@ -40,7 +43,8 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, cfg: JobConfig, on
         # gave non-finite gradient norms on some steps.
         in_graph = on_gpu and not moe_fsdp_units and not cfg.float8.experts
         apply_compile(model, experts_in_graph=in_graph, tensor_parallel=dims.tp > 1,
-                      compile_head=cfg.float8.enabled and cfg.float8.include_output)
+                      compile_head=cfg.float8.enabled and cfg.float8.include_output,
+                      eager_attention=dims.cp > 1 and cfg.parallelism.cp_scheme == "ring")
         if dims.tp > 1 and model.tok_embeddings is not None:
             log.info("compile: under TP the embedding's reduce-scatter completes before the first compiled block "
                   "(a compiled graph loses the gradient of an in-flight one)")
@@ -54,7 +58,7 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, cfg: JobConfig, on
         def dp_mesh(shard_dim: str):  # HSDP replicates over dp_replicate too
             return dims.submesh("dp_replicate", shard_dim) if hsdp else dims.submesh(shard_dim)
 
-        apply_fsdp(model, dp_mesh("dp_shard") if dims.fsdp_enabled else None, param_dtype,
+        apply_fsdp(model, dp_mesh("dp_shard_cp") if dims.fsdp_enabled else None, param_dtype,
                    DTYPES[cfg.training.mixed_precision_reduce], reshard_after_forward=dims.pp == 1,
                    experts_mesh=dp_mesh("dp_shard_mod_ep") if dims.ep > 1 else None,  # the dp ranks left after EP
                    experts_unmanaged=dims.experts_alone,

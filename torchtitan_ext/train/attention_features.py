@@ -5,6 +5,7 @@ regularisers' coefficients and scale, and collects the per-layer attention LSE m
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from torchtitan_ext.data.documents import Documents
@@ -53,6 +54,7 @@ class AttentionFeatures:
         self.attentions = {f"{name}": m for part in parts for name, m in part.named_modules()
                            if isinstance(m, Attention)}
         self.decoders = [m for part in parts for m in part.modules() if isinstance(m, Decoder)]
+        self.cp_group = dims.submesh("cp").get_group() if dims.cp > 1 else None  # ranks with parts of one sequence
         if t.compile and cfg.activation_checkpoint.mode != "none":
             # Recording the LSE metric sets an attribute in the forward; a compiled checkpointed block must
             # be told not to replay that during recomputation (which is also what eager checkpointing does
@@ -83,8 +85,13 @@ class AttentionFeatures:
             m.record_attention_lse(on)
 
     def metrics(self) -> dict[str, float]:
-        """``attn/lse/<layer>``: the mean log-sum-exp of the attention logits, from the last micro-batch."""
-        out = {f"attn/lse/{name.split('layers.')[-1].split('.')[0]}": float(m.lse_mean)
-               for name, m in self.attentions.items() if m.lse_mean is not None}
+        """``attn/lse/<layer>``: the mean log-sum-exp of the attention logits, from the last micro-batch (under
+        context parallelism averaged over the CP ranks, which hold equal parts of its sequences)."""
+        recorded = {f"attn/lse/{name.split('layers.')[-1].split('.')[0]}": m.lse_mean
+                    for name, m in self.attentions.items() if m.lse_mean is not None}
+        if self.cp_group is not None and recorded:
+            means = torch.stack(list(recorded.values()))
+            dist.all_reduce(means, op=dist.ReduceOp.AVG, group=self.cp_group)
+            recorded = dict(zip(recorded, means.unbind(), strict=True))
         self.record_lse(False)
-        return out
+        return {key: float(value) for key, value in recorded.items()}

@@ -31,6 +31,7 @@ from torchtitan_ext.models.param_count import count_params
 from torchtitan_ext.ops.attention_backend import attention_backend, causal_kernel
 from torchtitan_ext.ops.kernels import check_kernels
 from torchtitan_ext.parallel.compression import apply_gradient_compression
+from torchtitan_ext.parallel.context_parallel import check_cp
 from torchtitan_ext.parallel.dims import ParallelDims
 from torchtitan_ext.parallel.ep import check_ep
 from torchtitan_ext.parallel.fsdp import apply_ddp
@@ -207,7 +208,7 @@ def compute_options(cfg: JobConfig, dims: ParallelDims, device: torch.device) ->
 
 
 def check_layout(cfg: JobConfig, args: ModelArgs, dims: ParallelDims) -> None:
-    """The model's shape against the TP and EP degrees, one line each."""
+    """The model's shape against the TP, EP and CP degrees, one line each."""
     try:
         if dims.tp > 1:
             check_tp(args, dims.tp)
@@ -223,6 +224,7 @@ def check_layout(cfg: JobConfig, args: ModelArgs, dims: ParallelDims) -> None:
                               f"{dims.dp_replicate}, pp {dims.pp}")
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    check_cp(cfg, args, dims)
 
 
 def pp_microbatches(cfg: JobConfig, dims: ParallelDims) -> int:

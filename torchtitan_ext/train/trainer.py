@@ -40,6 +40,7 @@ from torchtitan_ext.metrics.memory import peak_memory_metrics
 from torchtitan_ext.metrics.profiling import Profiling
 from torchtitan_ext.metrics.wandb_sink import tracking_sinks
 from torchtitan_ext.parallel.compile import clean_fqn
+from torchtitan_ext.parallel.context_parallel import shard_batch, token_share
 from torchtitan_ext.parallel.expert_placement import ExpertPlacement
 from torchtitan_ext.parallel.grad_norm import grad_norm
 from torchtitan_ext.parallel.pp import build_schedule
@@ -100,6 +101,9 @@ class Trainer:
         self.placement = self._build_placement() if cfg.parallelism.ep_rebalance_steps > 0 else None
         self._placement_metrics: dict[str, float] = {}
         self.loss_fn = self._build_loss()
+        # Context parallel ranks hold parts of the same sequences: the loss is averaged over them too.
+        self.cp_group = self.dims.submesh("cp").get_group() if self.dims.cp > 1 else None
+        self.loss_group = self.dims.submesh("dp_cp").get_group() if self.dims.dp * self.dims.cp > 1 else None
         self.pp_microbatches = pp_microbatches(cfg, self.dims) if self.dims.pp > 1 else 1
         self.distill = Distillation(cfg, self.loader, self.model_args.vocab_size, self.pp_microbatches) \
             if cfg.distill.path else None
@@ -282,6 +286,8 @@ class Trainer:
             model.set_requires_gradient_sync(last_micro)
         with sync, forward_context(self.cfg, self.run.runtime), self._loss_context():
             loss = self._loss(model(inputs, **(model_kwargs or {})), labels)
+            if self.cp_group is not None:
+                loss = loss * token_share(labels, self.cp_group).to(loss.dtype)
             (loss / self.accum_steps).backward()
         return _plain(loss.detach())
 
@@ -361,8 +367,8 @@ class Trainer:
                 self.distill.set_batch(batch.teacher, self.device)
             if self.has_moe and self.pp_schedule is None:
                 set_token_domains(self.model_parts, self._to_device(batch.domains))
-            loss_sum += self.forward_backward(inputs, labels, micro == self.accum_steps - 1,
-                                              self.attn.model_kwargs(batch, self.device))
+            inputs, labels, model_kwargs = self._local_part(inputs, labels, self.attn.model_kwargs(batch, self.device))
+            loss_sum += self.forward_backward(inputs, labels, micro == self.accum_steps - 1, model_kwargs)
         if self.compression is not None and self.compression.after_backward is not None:
             self.compression.after_backward()
         params = [p for m in self.model_parts for p in m.parameters()]
@@ -374,9 +380,16 @@ class Trainer:
         if self.cfg.float8.enabled and self.cfg.float8.precompute_float8_dynamic_scale_for_fsdp:
             precompute_float8_scales(self.model_parts)
         loss = loss_sum / self.accum_steps
-        if self.dims.dp > 1:
-            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dims.submesh("dp").get_group())
+        if self.loss_group is not None:
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.loss_group)
         return QueuedStep(self.step, loss, norm, lr)
+
+    def _local_part(self, inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict
+                    ) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """Under context parallelism this rank's part of the micro-batch (``parallel/context_parallel.py``)."""
+        if self.cp_group is None:
+            return inputs, labels, model_kwargs
+        return shard_batch(inputs, labels, model_kwargs, self.dims.cp, self.dims.submesh("cp").get_local_rank())
 
     def _across_stages(self, stage_values: dict[str, float]) -> dict[str, float]:
         """Metrics each pipeline stage measures on its own layers (MoDE loads, gradient bytes), merged for
@@ -438,23 +451,25 @@ class Trainer:
         sums = torch.zeros(len(loaders), 4, dtype=torch.float64, device=self.device)  # batch_sums', windows
         for row, loader in enumerate(loaders.values()):
             for batch in trainer_batches(loader, self.cfg, self.dims.dp_rank, self.dims.dp):  # as the eval tool's
-                inputs, labels = batch.inputs.to(self.device), batch.labels.to(self.device)
+                inputs, labels, model_kwargs = self._local_part(batch.inputs.to(self.device),
+                                                                batch.labels.to(self.device),
+                                                                self.attn.model_kwargs(batch, self.device))
                 if self.pp_schedule is not None:
-                    loss = self._pipeline_step(inputs, labels, self.pp_schedule.eval,
-                                               self.attn.model_kwargs(batch, self.device),
+                    loss = self._pipeline_step(inputs, labels, self.pp_schedule.eval, model_kwargs,
                                                token_weighted=reads_stream(self.cfg)) * self.accum_steps
                 else:
                     with forward_context(self.cfg, self.run.runtime), self._loss_context():
-                        logits = self.model_parts[0](inputs, **self.attn.model_kwargs(batch, self.device))
+                        logits = self.model_parts[0](inputs, **model_kwargs)
                         loss = _plain(self._loss(logits, labels))
                 sums[row, :3] += batch_sums(loss, labels, self.token_bytes)
-                sums[row, 3] += (labels >= 0).any(dim=-1).sum()  # the windows that score a token
+                # The windows that score a token, from the whole batch each CP rank holds: counted once per CP group.
+                sums[row, 3] += (batch.labels >= 0).any(dim=-1).sum().item() / self.dims.cp
         for m in self.model_parts:
             m.train()
         self.evaluating = False
         ema_weights.close()
-        if self.dims.dp > 1:
-            dist.all_reduce(sums, group=self.dims.submesh("dp").get_group())
+        if self.loss_group is not None:
+            dist.all_reduce(sums, group=self.loss_group)
         val, figures = summarize(list(loaders), sums[:, :3])
         figures["val_windows"] = float(sums[:, 3].sum())
         if isinstance(self.loader, MixingLoader):  # the adaptive update, then the weights in use

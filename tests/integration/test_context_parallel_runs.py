@@ -1,0 +1,109 @@
+"""Context parallelism through the real trainer on gloo: the same per-step losses and gradient norms as one
+process (same seed, data and global batch), alone and under FSDP, a checkpoint saved at cp 2 that resumes in
+one process, and one-line refusals of the layouts it does not take."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from trainer_utils import losses, read_metrics, run_trainer
+
+RTOL, GN_RTOL = 1e-5, 1e-4  # float32 on CPU: the sequence's parts sum in another order than one process
+CKPT_AT_3 = ["--checkpoint.enabled", "true", "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0"]
+
+
+def _cp(cp: int, scheme: str, dp_shard: int = 1) -> list[str]:
+    """Overrides for cp x dp_shard ranks with the reference's global batch (4 sequences)."""
+    return ["--parallelism.cp", str(cp), "--parallelism.cp_scheme", scheme, "--parallelism.dp_shard", str(dp_shard),
+            "--training.local_batch_size", str(4 // dp_shard)]
+
+
+def _compare(reference, dump) -> None:
+    ref, got = read_metrics(reference), read_metrics(dump)
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5]
+    for r, g in zip(ref, got, strict=True):
+        assert g["loss"] == pytest.approx(r["loss"], rel=RTOL), r["step"]
+        assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=GN_RTOL), r["step"]
+
+
+@pytest.fixture(scope="module")
+def fsdp2_cp2_run(tmp_path_factory):
+    """FSDP 2 x CP 2 (all-to-all), 5 steps, checkpoints at steps 3 and 5."""
+    dump = tmp_path_factory.mktemp("fsdp2_cp2") / "run"
+    run_trainer(dump, 4, *_cp(2, "alltoall", dp_shard=2), *CKPT_AT_3)
+    return dump
+
+
+def test_cp2_ring_matches_single_process(tiny_one_process, tmp_path):
+    run_trainer(tmp_path, 2, *_cp(2, "ring"))
+    _compare(tiny_one_process, tmp_path)
+
+
+def test_fsdp2_cp2_matches_single_process(tiny_one_process, fsdp2_cp2_run):
+    _compare(tiny_one_process, fsdp2_cp2_run)
+
+
+def test_checkpoint_saved_at_cp2_resumes_in_one_process(fsdp2_cp2_run, tmp_path):
+    """Saved at step 3 under FSDP 2 x CP 2, resumed to step 5 in one process: the CP run's steps 4 and 5."""
+    shutil.copytree(fsdp2_cp2_run / "checkpoint" / "step-3", tmp_path / "checkpoint" / "step-3")
+    run_trainer(tmp_path, 0, *CKPT_AT_3)
+    ref, got = losses(fsdp2_cp2_run), losses(tmp_path)
+    assert sorted(got) == [4, 5]
+    for step in got:
+        assert got[step] == pytest.approx(ref[step], rel=RTOL), step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["ring", "alltoall"])
+def test_cp2_document_masking_matches_single_process(tmp_path, scheme):
+    document = ["--data.attention", "document", "--data.position_reset", "true"]
+    run_trainer(tmp_path / "one", 0, *document)
+    run_trainer(tmp_path / "cp", 2, *_cp(2, scheme), *document)
+    _compare(tmp_path / "one", tmp_path / "cp")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["ring", "alltoall"])
+def test_cp4_matches_single_process(tiny_one_process, tmp_path, scheme):
+    run_trainer(tmp_path, 4, *_cp(4, scheme))
+    _compare(tiny_one_process, tmp_path)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--parallelism.cp", "3"], "error: parallelism: dp_replicate(1) x cp(3) x tp(1) x pp(1) = 3, but the world "
+                                "size is 2, not a multiple of it (dp_shard = -1 takes the ranks left)"),
+    (["--parallelism.cp", "2", "--training.seq_len", "62"],
+     "error: training.seq_len = 62 must be divisible by 2 x parallelism.cp = 4 (context parallelism cuts each "
+     "sequence into 2 x cp equal chunks)"),
+    (["--parallelism.cp", "2", "--parallelism.cp_scheme", "alltoall", "--model.n_heads", "1",
+      "--model.n_kv_heads", "1"],
+     "error: parallelism.cp_scheme = 'alltoall' needs the attention heads per rank (model n_heads 1 / tp 1) "
+     "divisible by parallelism.cp = 2; use cp_scheme = 'ring' or another cp"),
+    (["--parallelism.cp", "2", "--parallelism.dp_mode", "ddp"],
+     "error: parallelism.cp = 2 needs dp_mode = 'fsdp' (FSDP shards over dp_shard x cp); dp_mode = 'ddp' does "
+     "not combine with cp"),
+])
+def test_bad_cp_layout_is_one_clear_line(tmp_path, overrides, message):
+    """Every rank stops with exit code 2 after one ``error:`` line."""
+    proc = run_trainer(tmp_path, 2, "--parallelism.dp_shard", "-1", *overrides, check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors and errors[0].startswith(message), proc.stderr[-2000:]  # two ranks may share a line
+    assert "exitcode  : 2" in proc.stderr and "exitcode  : 1" not in proc.stderr
+    ranks_said = proc.stderr.split("torch/distributed/elastic")[0]  # before torchrun's own report and traceback
+    assert "Traceback" not in ranks_said, ranks_said
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["ring", "alltoall"])
+def test_cp2_compiled_matches_single_process(tiny_one_process, tmp_path, scheme):
+    """Compiled blocks: all-to-all inside each block's graph, the ring eager between the graphs."""
+    run_trainer(tmp_path, 2, *_cp(2, scheme), "--training.compile", "true")
+    _compare(tiny_one_process, tmp_path)
+
+
+@pytest.mark.slow
+def test_hsdp2_cp2_matches_single_process(tiny_one_process, tmp_path):
+    """HSDP: FSDP shards over dp_shard x cp inside each of 2 replicas."""
+    run_trainer(tmp_path, 4, *_cp(2, "ring"), "--parallelism.dp_replicate", "2", "--training.local_batch_size", "2")
+    _compare(tiny_one_process, tmp_path)
