@@ -73,7 +73,8 @@ if [ -z "${TORCH_INDEX_URL+x}" ]; then
     if [ -n "$links" ] && [ -n "$wheel" ]; then
         mkdir -p "$WORK/torch-index/torch"
         printf '<a href="%s">%s</a>\n' "$(basename "$wheel")" "$(basename "$wheel")" > "$WORK/torch-index/torch/index.html"
-        volumes+=(--volume "$WORK/torch-index:/torch-index:ro" --volume "$wheel:/torch-index/torch/$(basename "$wheel"):ro")
+        ln -f "$wheel" "$WORK/torch-index/torch/" 2>/dev/null || cp "$wheel" "$WORK/torch-index/torch/"
+        volumes+=(--volume "$WORK/torch-index:/torch-index:ro")
         TORCH_INDEX_URL=file:///torch-index
     fi
 fi
