@@ -17,7 +17,7 @@ from pathlib import Path
 
 # The package's layers, lowest first; a module may import from its own layer or any lower one.
 LAYERS = [
-    ["errors", "config"],
+    ["errors", "config", "outputs"],
     ["ops", "models", "comm", "metrics", "checkpoint"],
     ["hf", "quant", "parallel", "data"],
     ["distill", "eval"],

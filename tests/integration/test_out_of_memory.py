@@ -1,4 +1,4 @@
-"""A CUDA out-of-memory error ends the job in one line with exit code 4 (``train.out_of_memory``): where it
+"""A CUDA out-of-memory error ends the job in one line with exit code 4 (``plan.out_of_memory``): where it
 rose, the allocator's peak, the planner's figures and what would fit; the saved checkpoints are untouched.
 The CPU tests drive the same boundary with a real ``torch.OutOfMemoryError`` raised inside the run; the GPU
 test makes a real one under a per-process memory cap."""

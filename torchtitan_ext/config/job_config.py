@@ -185,7 +185,8 @@ class ParallelismSection:
     cp: int = opt(1, "context parallel degree: each sequence is cut into 2 x cp chunks over cp ranks "
                   "(FSDP shards over dp_shard x cp)", min=1)
     cp_scheme: str = opt("ring", "context parallel attention: ring (K/V passed around the CP ranks) or alltoall "
-                         "(heads exchanged for sequence; kv heads x group divisible by cp)", choices=("ring", "alltoall"))
+                         "(heads exchanged for sequence; kv heads x group divisible by cp)",
+                         choices=("ring", "alltoall"))
     dp_mode: str = opt("fsdp", "data parallel style on dp_shard: FSDP2, or plain DDP (replicate)",
                        choices=("fsdp", "ddp"))
     pp_schedule: str = opt("1F1B", "pipeline schedule", choices=(

@@ -11,8 +11,8 @@ scale 1 / sqrt(head_dim) (``scale=None``) or the caller's (muP's 1 / head_dim, `
 
 So the LSE metric costs one mean over (batch, heads, seq) per layer and no second attention pass, and the
 same kernel runs on every step, logged or not. ``need_lse`` asks for a differentiable LSE (attention Z-reg),
-which FlexAttention (CUDA) or the dense path (CPU) give. GQA never copies K/V on GPU: the fused kernels and
-FlexAttention take fewer K/V heads; on CPU the K/V heads are repeated for the fused kernel.
+which FlexAttention (CUDA) or the dense path (CPU) give. GQA never copies K/V: the fused kernels and
+FlexAttention take fewer K/V heads.
 """
 
 from __future__ import annotations
@@ -69,9 +69,7 @@ def fused_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     16-bit inputs: under autocast the inputs are cast to its dtype (as SDPA does; a float32 norm may come
     before RoPE), and float32 inputs outside autocast go to SDPA's own choice, which returns no LSE."""
     b, h, t, _ = q.shape
-    if not q.is_cuda:
-        if k.shape[1] != h:  # the CPU kernel wants one K/V head per query head
-            k, v = (x.repeat_interleave(h // x.shape[1], dim=1) for x in (k, v))
+    if not q.is_cuda:  # the CPU kernel takes fewer K/V heads as they are (GQA)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
         return out, lse.detach().reshape(b, h, t)
     if torch.is_autocast_enabled("cuda"):

@@ -1,6 +1,7 @@
 """Memory and communication planner: the figures in ``estimate.py``, the layout search in ``search.py``, the
-command line in ``tools/plan.py``, and for the trainer's out-of-memory message ``predicted_peak_bytes`` and
-``fitting_changes`` (``fit.py``), imported on first use so that the command line starts without torch."""
+command line in ``tools/plan.py``, and for the trainer's out-of-memory message (``out_of_memory.py``)
+``predicted_peak_bytes`` and ``fitting_changes`` (``fit.py``), imported on first use so that the command line
+starts without torch."""
 
 from __future__ import annotations
 

@@ -314,8 +314,7 @@ def _activation_memory(p: Plan, job: _Job) -> None:
         full -= sum(float8_input_saving(args, i, dims.tp) for i in range(layers)) * tokens
         if not t.compile:
             # eager torchao saves each layer's fp8 weight for the backward; inside a compiled block the weight
-            # is a graph input (a parameter, alive anyway) and the backward graph casts it again (measured:
-            # llama3_8b FSDP 4 peaked at 52.8 GiB in float8 vs 53.0 bf16, where these copies would be 6.5)
+            # is a graph input (a parameter, alive anyway) and the backward graph casts it again
             p.memory["float8 weight copies"] = (job.g["matrices"] * job.frac_layers) / dims.tp * 1
     ac = cfg.activation_checkpoint
     block_input = act * args.dim / dims.tp * tokens

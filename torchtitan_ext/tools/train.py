@@ -63,7 +63,7 @@ def _run(cfg: JobConfig) -> int:
     from torchtitan_ext.data.registry import describe_data
     from torchtitan_ext.metrics.logger import rank_log
     from torchtitan_ext.metrics.wandb_sink import check_tracking
-    from torchtitan_ext.train.out_of_memory import out_of_memory
+    from torchtitan_ext.plan.out_of_memory import out_of_memory
     from torchtitan_ext.train.preemption import StartupInterrupted, raise_on_signal
     from torchtitan_ext.train.trainer import Trainer
 

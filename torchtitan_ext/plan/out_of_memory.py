@@ -11,6 +11,7 @@ import torch
 
 from torchtitan_ext.config.job_config import JobConfig
 from torchtitan_ext.errors import OutOfDeviceMemory
+from torchtitan_ext.plan.fit import fitting_changes, predicted_peak_bytes
 
 log = logging.getLogger(__name__)
 GIB = 1 << 30
@@ -34,12 +35,7 @@ def _planner_figures(cfg: JobConfig, world_size: int, capacity: int) -> tuple[fl
     """(predicted peak bytes or None, the changes that would fit); the planner's, when it can model the
     layout."""
     try:
-        from torchtitan_ext import plan
-        predict = getattr(plan, "predicted_peak_bytes", None)
-        changes = getattr(plan, "fitting_changes", None)
-        predicted = predict(cfg, world_size) if predict is not None else None
-        fits = changes(cfg, world_size, capacity) if changes is not None else []
-        return predicted, list(fits or [])
+        return predicted_peak_bytes(cfg, world_size), fitting_changes(cfg, world_size, capacity)
     except Exception as e:  # the message must come whatever the planner makes of this layout
         log.debug(f"planner could not model this layout: {e}")
         return None, []
@@ -58,14 +54,14 @@ def out_of_memory(error: BaseException, cfg: JobConfig, step: int | None, world_
              f"layout: local batch {cfg.training.local_batch_size} x seq {cfg.training.seq_len}, "
              f"activation_checkpoint.mode {ac.mode}" + (f" (selective_every {ac.selective_every})"
                                                        if ac.mode == "selective" else "")
-             + f", parallelism.cp {getattr(cfg.parallelism, 'cp', 1)}"]
+             + f", parallelism.cp {cfg.parallelism.cp}"]
     if not fits:  # the generic knobs, lightest first
         fits = [f"--{key} {value}" for key, value, applies in (
             ("activation_checkpoint.mode", "full", ac.mode != "full"),
             ("training.fused_linear_ce", "true", not cfg.training.fused_linear_ce),
             ("training.local_batch_size", max(1, cfg.training.local_batch_size // 2),
              cfg.training.local_batch_size > 1),
-            ("parallelism.cp", 2 * getattr(cfg.parallelism, "cp", 1), world_size > 1)) if applies]
+            ("parallelism.cp", 2 * cfg.parallelism.cp, world_size > 1)) if applies]
     parts.append("would fit: " + (" or ".join(fits) if fits else "a larger card or more GPUs"))
     parts.append("nothing saved was touched")
     return OutOfDeviceMemory("; ".join(parts))
