@@ -10,6 +10,8 @@ import contextlib
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from torchtitan_ext.errors import ConfigError
+
 # Each backend falls back to the ones after it.
 _FALLBACKS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 _ORDER = {name: _FALLBACKS[i:] for i, name in enumerate(("cudnn", "flash", "efficient", "math"))}
@@ -33,3 +35,19 @@ def causal_kernel(name: str, device: torch.device) -> str:
     if name == "auto":
         return "cudnn" if torch.cuda.get_device_capability(device) >= (9, 0) else "flash"
     return name
+
+
+# The largest score matrix the math backend may materialise per attention call: beyond it a long sequence would
+# spend its memory on (batch x heads x seq x seq) scores that the fused kernels never hold.
+MATH_SCORES_LIMIT_BYTES = 1 << 30
+
+
+def check_math_backend(name: str, device: torch.device, batch: int, heads: int, seq_len: int) -> None:
+    """One line refusing ``training.attention_backend = "math"`` on CUDA where its scores would exceed
+    MATH_SCORES_LIMIT_BYTES (float32 scores of the local batch and the rank's heads)."""
+    scores = 4 * batch * heads * seq_len * seq_len
+    if device.type == "cuda" and name == "math" and scores > MATH_SCORES_LIMIT_BYTES:
+        raise ConfigError(f"training.attention_backend = 'math' materialises the attention scores, "
+                          f"{scores / (1 << 30):.1f} GiB per layer at local_batch_size {batch} x seq_len {seq_len} "
+                          f"x {heads} heads (at most {MATH_SCORES_LIMIT_BYTES >> 30} GiB); use auto, cudnn, flash "
+                          "or efficient, which never hold them")

@@ -28,7 +28,7 @@ from torchtitan_ext.models.args import ComputeOptions, ModelArgs
 from torchtitan_ext.models.decoder import Decoder
 from torchtitan_ext.models.flavors import resolve_model_args
 from torchtitan_ext.models.param_count import count_params
-from torchtitan_ext.ops.attention_backend import attention_backend, causal_kernel
+from torchtitan_ext.ops.attention_backend import attention_backend, causal_kernel, check_math_backend
 from torchtitan_ext.ops.kernels import check_kernels
 from torchtitan_ext.parallel.compression import apply_gradient_compression
 from torchtitan_ext.parallel.context_parallel import check_cp
@@ -197,10 +197,13 @@ def build_data(cfg: JobConfig, dims: ParallelDims) -> tuple[object, ModelArgs, D
     return tokenizer, args, data
 
 
-def compute_options(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> ComputeOptions:
+def compute_options(cfg: JobConfig, args: ModelArgs, dims: ParallelDims, device: torch.device) -> ComputeOptions:
     """How the model computes in this run. Under TP the residual stream and the norms are DTensors, which the
     fused norm kernels do not take: there only the activation is fused."""
     triton = cfg.training.kernels == "triton"
+    # a rank's heads over the whole sequence: all-to-all CP's attention call, the largest any layout makes
+    check_math_backend(cfg.training.attention_backend, device, cfg.training.local_batch_size,
+                       max(1, args.n_heads // (dims.tp * dims.cp)), cfg.training.seq_len)
     return ComputeOptions(fused_norm=triton and dims.tp == 1, fused_activation=triton,
                           attention_z_reg=cfg.training.attention_z_reg,
                           return_hidden=cfg.training.fused_linear_ce,
@@ -238,7 +241,7 @@ def build_model(cfg: JobConfig, runtime: Runtime, args: ModelArgs) -> BuiltModel
     dims, device = runtime.dims, runtime.device
     check_layout(cfg, args, dims)
     with torch.device("meta"):
-        model = Decoder(args, compute_options(cfg, dims, device))
+        model = Decoder(args, compute_options(cfg, args, dims, device))
     counts = count_params(args)
     log.info(f"model {cfg.model.flavor}: {counts['total']:,} parameters ({counts['active']:,} active per token, "
              f"{counts['embedding']:,} embedding); KV cache {counts['kv_per_token']:,} values per token")

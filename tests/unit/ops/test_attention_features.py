@@ -335,3 +335,17 @@ def test_a_later_pipeline_stage_sizes_its_causal_mask_for_the_whole_sequence():
     from dist_utils import run_distributed
 
     assert run_distributed(_stage_shards, 2) == [(1, 2), (1, 2)]
+
+
+def test_math_backend_refused_where_its_scores_would_not_fit():
+    """On CUDA the math backend materialises batch x heads x seq^2 float32 scores: refused above 1 GiB with one
+    line naming the key and the size; allowed below it, and never refused on a CPU (which ignores the key)."""
+    from torchtitan_ext.errors import ConfigError
+    from torchtitan_ext.ops.attention_backend import check_math_backend
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    check_math_backend("math", cuda, 1, 16, 2048)  # 256 MiB
+    check_math_backend("math", cpu, 1, 32, 65536)
+    check_math_backend("cudnn", cuda, 1, 32, 65536)
+    with pytest.raises(ConfigError, match=r"attention_backend = 'math' .* 512\.0 GiB per layer .* seq_len 65536"):
+        check_math_backend("math", cuda, 1, 32, 65536)
