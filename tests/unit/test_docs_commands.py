@@ -47,6 +47,14 @@ CI = {
     "python -m torchtitan_ext.train --config train_configs/debug.toml --training.steps 20 "
     "--job.dump_folder outputs/config_demo": SHRINK,
     "python -m torchtitan_ext.plan --config train_configs/7b.toml --gpus 8": (),
+    "launch/train.sh --training.steps 5 --parallelism.cp 2 --parallelism.dp_shard 1 --parallelism.cp_scheme ring "
+    "--job.dump_folder outputs/cp2": SHRINK,
+    "python -m torchtitan_ext.plan --config train_configs/debug.toml --data.tokenizer byte --training.compile true "
+    "--model.flavor 1b --training.local_batch_size 1 --training.seq_len 131072 --activation_checkpoint.mode selective "
+    "--activation_checkpoint.selective_every 0 --device-memory 139": (),
+    "python -m torchtitan_ext.plan --config train_configs/llama3_8b_float8.toml --training.seq_len 131072 "
+    "--training.local_batch_size 1 --training.global_batch_size 32 --gpus 8 --device-memory 139 --hbm-gbps 3700 "
+    "--search": (),
     "python -m torchtitan_ext.scaling sweep --config train_configs/debug.toml --widths 128 256 512 --tokens 2e6 "
     "8e6 32e6 --out outputs/scaling --fit": ("--dry-run",),  # the nine runs' commands, none trained
 }
@@ -95,8 +103,7 @@ NOT_IN_CI = {
     "sbatch --nodes=4 launch/slurm.sbatch --config train_configs/7b.toml":
         "cluster (Slurm); its preemption path: tests/integration/test_slurm_forwarding.py",
     "tensorboard --logdir outputs/debug/tb": "a server: runs until stopped",
-    "python benchmarks/report.py --write-readme README.md":
-        "rewrites this README's headline block from benchmarks/results/; the benchmark report's test checks it",
+    "python benchmarks/report.py": "prints the report of benchmarks/results/ (tests/unit/test_benchmark_report.py)",
     "benchmarks/trace_gaps.py TRACE.json": "needs a GPU profiler trace",
     "python -m torchtitan_ext.data.prepare --trees": "a flag named in prose: prepare's conversation-tree mode "
                                                      "(tests/integration/test_attention_feature_runs.py)",
@@ -115,7 +122,7 @@ NOT_IN_CI = {
 }
 REFERENCE = ("<!-- keys:begin -->", "<!-- keys:end -->")  # docs/configuration.md's generated key tables
 # pages the docs link to that another change writes: allowed missing until they exist
-NOT_YET_WRITTEN = {"docs/long-context.md": "the context-parallelism page, written beside that feature"}
+NOT_YET_WRITTEN: dict[str, str] = {}
 
 FENCE = re.compile(r"^```(\S*)\n(.*?)^```", re.M | re.S)
 COMMAND_START = re.compile(r"(python3? -m torchtitan_ext\.\S+ |torchtitan-ext |launch/\S+ |pip install |sbatch "
@@ -337,6 +344,10 @@ def test_ci_commands_run_as_written(ran):
     assert (folder / "outputs" / "sft_debug" / "metrics.jsonl").is_file()
     assert (folder / "outputs" / "config_demo" / "checkpoint" / "step-2").is_dir()
     assert "fits on 80 GiB" in results["python -m torchtitan_ext.plan --config train_configs/7b.toml --gpus 8"].stdout
+    assert (folder / "outputs" / "cp2" / "checkpoint" / "step-2").is_dir()
+    plans = {c: r.stdout for c, r in results.items() if c.startswith("python -m torchtitan_ext.plan --config")}
+    assert sum("fits on 139 GiB" in out for out in plans.values()) == 1
+    assert sum("chosen: FSDP 2 x CP 4 (ring)" in out for out in plans.values()) == 1
     sweep = next(r for c, r in results.items() if c.startswith("python -m torchtitan_ext.scaling sweep"))
     assert sweep.stdout.count("-m torchtitan_ext.train") == 9 and not (folder / "outputs" / "scaling").exists()
     weights = folder / "hf" / "debug" / "model.safetensors"

@@ -24,9 +24,12 @@ def test_a_row_ended_by_the_model_drops_the_token_and_the_blank_lines(tmp_path):
         assert completion_text(tok, [tok.eot_id], tok.eot_id) == ""
 
 
-def test_generate_prints_no_blank_line_at_end_of_text(monkeypatch, capsys):
+def test_generate_prints_no_blank_line_at_end_of_text(monkeypatch, capsys, tmp_path):
     """The CLI on a model that ends its text after two newlines: the prompt and the text, one line each."""
     tok = ByteTokenizer()
+    step = tmp_path / "checkpoint" / "step-1"  # a folder the tool's early check takes for a checkpoint
+    step.mkdir(parents=True)
+    (step / ".metadata").touch()
 
     class Loaded:
         args = None
@@ -35,5 +38,6 @@ def test_generate_prints_no_blank_line_at_end_of_text(monkeypatch, capsys):
                                                                                              "ckpt"))
     monkeypatch.setattr(decoding, "generate", lambda model, ids, n, *a, **k: [
         [*tok.encode("bc\n\n").tolist(), tok.eot_id], tok.encode("de").tolist()])
-    code = run_tool(generate_tool._main, ["--checkpoint", "x", "--prompt", "a", "--prompt", "c", "--device", "cpu"])
+    code = run_tool(generate_tool._main, ["--checkpoint", str(step), "--prompt", "a", "--prompt", "c",
+                                          "--device", "cpu"])
     assert code == 0 and capsys.readouterr().out == "abc\ncde\n"
