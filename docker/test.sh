@@ -45,9 +45,12 @@ install_tools() {
     apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends podman runc mmdebstrap
 }
 
+# runc refuses an nproc limit as high as this shell's hard limit on such hosts; 32768 processes is ample for
+# the DataLoader and Inductor's compile workers.
+nproc_limit=$(( $(ulimit -Hu) < 32768 ? $(ulimit -Hu) : 32768 ))
 cat > "$WORK/containers.conf" <<EOF
 [containers]
-default_ulimits = ["nofile=$(ulimit -Hn):$(ulimit -Hn)", "nproc=$(ulimit -Hu):$(ulimit -Hu)"]
+default_ulimits = ["nofile=$(ulimit -Hn):$(ulimit -Hn)", "nproc=$nproc_limit:$nproc_limit"]
 [engine]
 runtime = "runc"
 EOF

@@ -58,7 +58,7 @@ def main() -> None:
     if opts.experts < 2:
         parser.error(f"argument --experts: expected at least 2 (top-2 routing), got {opts.experts}")
     if not torch.cuda.is_available():
-        sys.exit("error: bench_adamw.py needs a CUDA GPU (it times GPU kernels)")
+        sys.exit("error: benchmarks/micro/adamw.py needs a CUDA GPU (it times GPU kernels)")
     params = parameters(opts)
     numel = sum(p.numel() for p in params)
     scale, skip = torch.tensor(1.5, device="cuda"), torch.zeros((), device="cuda")

@@ -29,35 +29,35 @@ from torchtitan_ext.config.loader import parse_args
 from torchtitan_ext.plan.estimate import GIB, plan
 from torchtitan_ext.plan.search import Hardware, step_time
 
-# bench_structure.sh / bench_plan.sh: the 1b shape, bf16, compiled, 16 x 2048 per rank
+# dense_1b's shape (benchmarks/scenarios.toml): the 1b flavor, bf16, compiled, 16 x 2048 per rank
 ONE_B = ("--config train_configs/debug.toml --data.tokenizer byte --training.compile true --model.flavor 1b "
          "--training.seq_len 2048 --training.local_batch_size 16")
 CE = " --training.fused_linear_ce true --training.fused_linear_ce_chunk 4096"
 # issue 63's one-GPU rows: the 1b shape at long sequences, compiled, op-level selective AC, batch 1 (two per 16k)
 LONG_1B = ("--config train_configs/debug.toml --data.tokenizer byte --training.compile true --model.flavor 1b "
            "--activation_checkpoint.mode selective --activation_checkpoint.selective_every 0")
-# bench_layouts.sh's 8b rows: llama3_8b, seq 8192, op-level selective AC, compiled; EIGHT_B: FSDP 4, one sequence
+# the layout_8b_* scenarios: llama3_8b, seq 8192, op-level selective AC, compiled; EIGHT_B: FSDP 4, one sequence
 EIGHT_B_LAYOUT = ("--data.tokenizer byte --model.flavor llama3_8b --training.seq_len 8192 --training.compile true "
                   "--activation_checkpoint.mode selective --activation_checkpoint.selective_every 0")
 EIGHT_B = EIGHT_B_LAYOUT + " --parallelism.dp_shard 4 --training.local_batch_size 1"
 F8_FSDP = (" --float8.enabled true --float8.recipe tensorwise --float8.enable_fsdp_float8_all_gather true "
            "--float8.precompute_float8_dynamic_scale_for_fsdp true")
-# bench_layouts.sh's 32b rows: the 32b flavor's shape with 16 layers, no QK-norm, otherwise as the 8b rows
+# layout_32b_fsdp2_tp2: the 32b flavor's shape with 16 layers, no QK-norm, otherwise as the 8b rows
 THIRTY_TWO_B = ("--data.tokenizer byte --model.flavor 32b --model.n_layers 16 --model.qk_norm false "
                 "--training.seq_len 8192 --training.compile true --activation_checkpoint.mode selective "
                 "--activation_checkpoint.selective_every 0")
-# bench_mode_scale.sh: mode_debug at d 2048, 8 layers of 64 experts (hidden 1408) top-2, seq 2048, 8 per GPU
+# mode_ep4 / mode_ep_rank: mode_debug at d 2048, 8 layers of 64 experts (hidden 1408) top-2, seq 2048, 8 per GPU
 MODE = ("--config train_configs/mode_debug.toml --data.tokenizer byte --training.compile true --model.dim 2048 "
         "--model.n_heads 16 --model.n_kv_heads 8 --model.n_layers 8 --model.n_experts 64 --model.top_k 2 "
         "--model.moe_hidden 1408 --model.vocab_size 32000 --training.seq_len 2048 --training.local_batch_size 8 "
         "--parallelism.dp_shard 4")
-# bench_mode_235b.sh: mode_235b's dimensions with 8 layers, seq 4096, full AC (the config's), compiled
+# mode_235b_ep4: mode_235b's dimensions with 8 layers, seq 4096, full AC (the config's), compiled
 B235 = ("--config train_configs/mode_235b.toml --data.tokenizer byte --model.n_layers 8 --training.seq_len 4096 "
         "--training.compile true --training.global_batch_size -1")
-# bench_parallel.sh: the 7b shape with 8 layers, seq 4096, compiled, global batch 4 sequences
+# RESULTS.md's 7b layout rows: the 7b shape with 8 layers, seq 4096, compiled, global batch 4 sequences
 SEVEN_B = ("--config train_configs/debug.toml --model.flavor 7b --model.n_layers 8 --training.seq_len 4096 "
            "--training.compile true --data.tokenizer byte")
-# bench_vs_plain.sh / bench_float8_head.sh: the 8B shape with 4 layers, 4 x 4096, one GPU
+# dense_8b_proxy / float8_head_8b_proxy: the 8B shape with 4 layers, 4 x 4096, one GPU
 EIGHT_B_4L = ("--config train_configs/llama3_8b_float8.toml --data.tokenizer byte --model.n_layers 4 "
               "--training.local_batch_size 4 --training.seq_len 4096")
 
@@ -156,7 +156,7 @@ ROWS = [
         + " --training.seq_len 16384 --training.local_batch_size 2", 1, 37.4),
     Row("1b, 32k x 1, op-level SAC, H200", "1b long context, 1 x H200", LONG_1B
         + " --training.seq_len 32768 --training.local_batch_size 1", 1, 37.4),
-    # "This session's four device calls", call 2 (bench_structure.sh), 2026-11-27, one H100
+    # "This session's four device calls", call 2, 2026-11-27, one H100
     Row("1b, 1 GPU (structure bench)", "1b, 1 x H100 (structure)", ONE_B, 1, 48.32),
     # "MoDE at the Zen-like shape on 4 GPUs" (issue 40), 2026-11-27, 4 x H100: EP 1 and EP 2 peaks (speeds: see
     # the docstring); "Expert parallelism without one-rank FSDP units", call 4, 2026-11-28, 4 x H200: EP 1 and
@@ -178,7 +178,7 @@ ROWS = [
         "--training.local_batch_size 2 --float8.enabled true --float8.recipe tensorwise", 2, 19.4, 55_193),
     Row("7b-shaped 8 layers, FSDP 2, float8 + float8 all-gather", "7b 8 layers, 2 x H200", SEVEN_B
         + " --parallelism.dp_shard 2 --training.local_batch_size 2" + F8_FSDP, 2, 19.9, 54_005),
-    # "Memory planner vs measured peaks (issue 17)" (bench_plan.sh re-measure) and "Issue 16 and 15 re-measured"
+    # "Memory planner vs measured peaks (issue 17)" and "Issue 16 and 15 re-measured"
     # (2026-11-24, one H100)
     Row("1b, fused linear CE", "1b, 1 x H100 (issue 16)", ONE_B + CE, 1, 45.77, 93_644),
     Row("1b, fused linear CE + op-level SAC", "1b, 1 x H100 (issue 16)",
@@ -196,7 +196,7 @@ ROWS = [
     Row("8B 4 layers, vocab 128256, bf16", "8B 4 layers v128256, issue 17", EIGHT_B_4L + " --float8.enabled false",
         1, 43.2),
     Row("8B 4 layers, vocab 128256, float8 tensorwise", "8B 4 layers v128256, issue 17", EIGHT_B_4L, 1, 38.9),
-    # "float8 with the head in float8, 300 steps" (bench_float8_head.sh), 2026-11-24, one H100
+    # "float8 with the head in float8, 300 steps", 2026-11-24, one H100
     Row("8B 4 layers, vocab 32000, float8 with the head", "8B 4 layers v32000 head, 1 x H100", EIGHT_B_4L
         + " --model.vocab_size 32000 --float8.include_output true", 1, 22.50),
     Row("8B 4 layers, vocab 128256, bf16 (300 steps)", "8B 4 layers v128256, 300 steps", EIGHT_B_4L

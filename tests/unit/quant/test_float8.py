@@ -377,7 +377,7 @@ def _gpu_skip_reason() -> str | None:
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_gpu_compiled_float8_tracks_bf16(recipe):
     """Real FP8 GEMMs under torch.compile and bf16 autocast memorising one batch: the loss falls as in bf16
-    (within 10% after 30 steps; the 1%-after-300-steps comparison is benchmarks/bench_float8.sh's)."""
+    (within 10% after 30 steps; the 1%-after-300-steps comparison is the loss_*_8b_proxy scenarios')."""
     args = ModelArgs(vocab_size=4096, dim=1024, n_layers=2, n_heads=8, n_kv_heads=4, ffn_hidden=2816,
                      max_seq_len=512)
     tokens = torch.randint(0, 4096, (8, 513), device="cuda", generator=torch.Generator("cuda").manual_seed(0))

@@ -32,6 +32,7 @@ import multiprocessing as mp
 import os
 import signal
 import sys
+import threading
 import time
 import zipfile
 from collections import deque
@@ -292,13 +293,25 @@ def prepare(opts, hooks: Hooks | None = None) -> dict | None:
         return _write(opts, hooks, files, filters, pool, out, total_bytes)
     finally:
         if pool is not None:
-            pool.terminate()
+            _end_pool(pool)
         if created and not any(out.iterdir()):  # nothing written: leave no empty folder behind
             for folder in created:
                 try:
                     folder.rmdir()
                 except OSError:  # something else appeared in it meanwhile: it stays
                     break
+
+
+def _end_pool(pool, timeout_s: float = 15.0) -> None:
+    """``pool.terminate()``, bounded. CPython's can wait for ever on its task thread when an interrupt leaves
+    that thread blocked writing the next chunk into the pipe of workers that no longer read it; then the
+    workers are killed and the pool's (daemon) threads are left to end with the process."""
+    ender = threading.Thread(target=pool.terminate, name="prepare-pool-end", daemon=True)
+    ender.start()
+    ender.join(timeout_s)
+    if ender.is_alive():
+        for worker in pool._pool:
+            worker.kill()
 
 
 def _read_state(path: Path) -> dict:
