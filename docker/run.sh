@@ -55,8 +55,12 @@ for limit in "memlock -1 -l -1" "stack 67108864 -s 65536"; do
 done
 if [ "$engine" = podman ] && [ "${#limits[@]}" -gt 0 ]; then
     # podman's --ulimit replaces containers.conf's default_ulimits: keep open files and processes at this
-    # shell's hard limits rather than podman's built-in ones, which it may not be allowed to set
-    limits+=(--ulimit "nofile=$(ulimit -Hn):$(ulimit -Hn)" --ulimit "nproc=$(ulimit -Hu):$(ulimit -Hu)")
+    # shell's hard limits rather than podman's built-in ones, which it may not be allowed to set (processes
+    # also at most the kernel's pid_max, above which some hosts refuse the limit to runc)
+    pid_max=$(cat /proc/sys/kernel/pid_max 2>/dev/null || echo 32768)
+    nproc=$(ulimit -Hu)
+    if [ "$nproc" = unlimited ] || [ "$nproc" -gt "$pid_max" ]; then nproc=$pid_max; fi
+    limits+=(--ulimit "nofile=$(ulimit -Hn):$(ulimit -Hn)" --ulimit "nproc=$nproc:$nproc")
 fi
 args+=("${limits[@]}")
 if [ "${IPC:-host}" = host ]; then

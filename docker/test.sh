@@ -45,9 +45,11 @@ install_tools() {
     apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends podman runc mmdebstrap
 }
 
-# runc refuses an nproc limit as high as this shell's hard limit on such hosts; 32768 processes is ample for
-# the DataLoader and Inductor's compile workers.
-nproc_limit=$(( $(ulimit -Hu) < 32768 ? $(ulimit -Hu) : 32768 ))
+# The container's process limit: this shell's hard limit, but not above the kernel's pid_max (such hosts
+# refuse a larger RLIMIT_NPROC to runc).
+pid_max=$(cat /proc/sys/kernel/pid_max 2>/dev/null || echo 32768)
+nproc_limit=$(ulimit -Hu)
+if [ "$nproc_limit" = unlimited ] || [ "$nproc_limit" -gt "$pid_max" ]; then nproc_limit=$pid_max; fi
 cat > "$WORK/containers.conf" <<EOF
 [containers]
 default_ulimits = ["nofile=$(ulimit -Hn):$(ulimit -Hn)", "nproc=$nproc_limit:$nproc_limit"]

@@ -1,6 +1,6 @@
 """Context parallelism through the real trainer on gloo: the same per-step losses and gradient norms as one
-process (same seed, data and global batch), alone and under FSDP, a checkpoint saved at cp 2 that resumes in
-one process, and one-line refusals of the layouts it does not take."""
+process (same seed, data and global batch), alone and under FSDP, HSDP, TP, PP and expert parallelism, a
+checkpoint saved at cp 2 that resumes in one process, and one-line refusals of the layouts it does not take."""
 
 from __future__ import annotations
 
@@ -107,3 +107,62 @@ def test_hsdp2_cp2_matches_single_process(tiny_one_process, tmp_path):
     """HSDP: FSDP shards over dp_shard x cp inside each of 2 replicas."""
     run_trainer(tmp_path, 4, *_cp(2, "ring"), "--parallelism.dp_replicate", "2", "--training.local_batch_size", "2")
     _compare(tiny_one_process, tmp_path)
+
+
+def _cp_with(scheme: str, *layout: str) -> list[str]:
+    """CP 2 beside another parallelism on 4 ranks, no FSDP shard ranks beyond the CP pair's."""
+    return ["--parallelism.cp", "2", "--parallelism.cp_scheme", scheme, "--parallelism.dp_shard", "1", *layout]
+
+
+@pytest.mark.parametrize("scheme", ["ring", pytest.param("alltoall", marks=pytest.mark.slow)])
+def test_tp2_cp2_matches_single_process(tiny_one_process, tmp_path, scheme):
+    """TP 2 x CP 2: each CP rank's chunk pair split again over TP's sequence-parallel ranks, attention on
+    each TP rank's heads (all-to-all: 2 heads per TP rank traded over the 2 CP ranks)."""
+    run_trainer(tmp_path, 4, *_cp_with(scheme, "--parallelism.tp", "2"))
+    _compare(tiny_one_process, tmp_path)
+
+
+@pytest.mark.slow
+def test_tp2_cp2_ring_compiled_matches_single_process(tiny_one_process, tmp_path):
+    """Compiled TP 2 x CP 2 with the ring: the block's norms, QK-norm + RoPE and feed-forward compiled one by
+    one around the eager ring attention."""
+    run_trainer(tmp_path, 4, *_cp_with("ring", "--parallelism.tp", "2"), "--training.compile", "true")
+    _compare(tiny_one_process, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["ring", "alltoall"])
+def test_pp2_cp2_matches_single_process(tiny_one_process, tmp_path, scheme):
+    """PP 2 x CP 2: the stages pass the CP chunk's global positions on with the hidden states."""
+    run_trainer(tmp_path, 4, *_cp_with(scheme, "--parallelism.pp", "2"))
+    _compare(tiny_one_process, tmp_path)
+
+
+MODE = ["--model.flavor", "mode_debug", "--model.aux_loss_coef", "0"]  # the balancing loss is per rank's tokens
+
+
+@pytest.fixture(scope="module")
+def mode_one_process(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("mode_one_process")
+    run_trainer(dump, 0, *MODE)
+    return dump
+
+
+def _compare_routing(reference, dump) -> None:
+    """The same losses, gradient norms and expert loads (the routing of the whole sequence, summed over the
+    CP ranks) as one process."""
+    _compare(reference, dump)
+    for r, g in zip(read_metrics(reference), read_metrics(dump), strict=True):
+        assert g["moe/layers.0/imbalance"] == r["moe/layers.0/imbalance"], r["step"]
+
+
+def test_mode_ep2_cp2_matches_single_process(mode_one_process, tmp_path):
+    """MoDE, EP 2 x CP 2 (the experts' gradients averaged over their CP peers, the loads over every rank)."""
+    run_trainer(tmp_path, 4, *MODE, *_cp(2, "ring", dp_shard=2), "--parallelism.ep", "2")
+    _compare_routing(mode_one_process, tmp_path)
+
+
+@pytest.mark.slow
+def test_mode_cp2_matches_single_process(mode_one_process, tmp_path):
+    run_trainer(tmp_path, 2, *MODE, *_cp(2, "alltoall"))
+    _compare_routing(mode_one_process, tmp_path)

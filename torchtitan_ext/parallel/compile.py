@@ -33,12 +33,26 @@ def apply_compile(model: nn.Module, experts_in_graph: bool, tensor_parallel: boo
         if isinstance(inner.feed_forward, MoDE) and not experts_in_graph:
             _compile_around_experts(inner)
         else:
+            if eager_attention and tensor_parallel:
+                _compile_around_attention(inner)
+                continue
             if eager_attention:
                 inner.attention.forward = torch.compiler.disable(inner.attention.forward)
                 inner.attention.norm_and_rotate = torch.compile(inner.attention.norm_and_rotate, fullgraph=True)
             model.layers[name] = torch.compile(block, fullgraph=not eager_attention)
     if compile_head and getattr(model, "output", None) is not None:
         model.output.compile(fullgraph=True)
+
+
+def _compile_around_attention(block: nn.Module) -> None:
+    """Compile a block's parts around an eager attention one by one (its norms, the attention's QK-norm and
+    RoPE, the feed-forward): under tensor parallelism a block graph broken at the attention hands a
+    sequence-parallel DTensor's backward a plain-tensor gradient (torch 2.13), so the block stays eager and
+    every graph is whole."""
+    block.attention_norm.compile(fullgraph=True)
+    block.attention.norm_and_rotate = torch.compile(block.attention.norm_and_rotate, fullgraph=True)
+    block.ffn_norm.compile(fullgraph=True)
+    block.feed_forward.compile(fullgraph=True)
 
 
 def _compile_around_experts(block: nn.Module) -> None:

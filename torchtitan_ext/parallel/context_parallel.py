@@ -40,16 +40,10 @@ def check_cp(cfg, args: ModelArgs, dims) -> None:
     cp, p, t = dims.cp, cfg.parallelism, cfg.training
     if cp == 1:
         return
-    check_cp_seq_len(t.seq_len, cp)
+    check_cp_seq_len(t.seq_len, cp, dims.tp)
     refusals = (
-        (dims.pp > 1, f"parallelism.cp = {cp} with parallelism.pp = {dims.pp}: context parallelism does not "
-                      "combine with pipeline parallelism yet"),
-        (dims.tp > 1, f"parallelism.cp = {cp} with parallelism.tp = {dims.tp}: context parallelism does not "
-                      "combine with tensor parallelism yet"),
         (args.kv_share != "none", f"parallelism.cp = {cp} with model.kv_share = {args.kv_share!r}: KV sharing "
                                   "does not combine with context parallelism yet"),
-        (args.n_experts > 0, f"parallelism.cp = {cp} with a MoDE model (model.n_experts = {args.n_experts}): "
-                             "experts do not combine with context parallelism yet"),
         (cfg.comm.gradient_compression != "none", f"parallelism.cp = {cp} with comm.gradient_compression = "
                                                   f"{cfg.comm.gradient_compression!r}: gradient compression does "
                                                   "not combine with context parallelism yet"),

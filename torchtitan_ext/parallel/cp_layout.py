@@ -13,11 +13,17 @@ import torch
 from torchtitan_ext.errors import ConfigError
 
 
-def check_cp_seq_len(seq_len: int, cp: int) -> None:
-    """One line when the sequence cannot be cut into ``2 x cp`` equal chunks."""
-    if cp > 1 and seq_len % (2 * cp):
+def check_cp_seq_len(seq_len: int, cp: int, tp: int = 1) -> None:
+    """One line when the sequence cannot be cut into ``2 x cp`` equal chunks (each split again over TP's
+    sequence-parallel ranks)."""
+    if cp == 1:
+        return
+    if seq_len % (2 * cp):
         raise ConfigError(f"training.seq_len = {seq_len} must be divisible by 2 x parallelism.cp = {2 * cp} "
                           "(context parallelism cuts each sequence into 2 x cp equal chunks)")
+    if seq_len % (2 * cp * tp):
+        raise ConfigError(f"training.seq_len = {seq_len} must be divisible by 2 x parallelism.cp x parallelism.tp "
+                          f"= {2 * cp * tp} (each of the 2 x cp chunks is split over the TP ranks)")
 
 
 def local_indices(seq_len: int, cp: int, rank: int, device: torch.device | None = None) -> torch.Tensor:

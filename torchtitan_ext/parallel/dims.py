@@ -119,10 +119,10 @@ class ParallelDims:
 
     @property
     def experts_alone(self) -> bool:
-        """Each expert lives on one rank only (EP spans dp_shard; no replicas, no pipeline): its gradient needs
+        """Each expert lives on one rank only (EP spans dp_shard; no replicas, CP ranks or pipeline): its gradient needs
         no data-parallel reduction, and FSDP leaves the experts out (``parallel/parallelize.py``). Under
         pipelining they stay in a one-rank unit, which keeps their bf16 copy over the micro-batches."""
-        return self.ep > 1 and self.ep == self.dp_shard and self.dp_replicate == 1 and self.pp == 1
+        return self.ep > 1 and self.ep == self.dp_shard and self.dp_replicate == 1 and self.pp == 1 and self.cp == 1
 
     @property
     def fsdp_enabled(self) -> bool:
@@ -139,18 +139,21 @@ class ParallelDims:
         parameters are sharded over the first, its expert loads summed over the second) and, with EP,
         ``ep_tp`` (the ranks its experts are sharded over). ``dp_shard_cp`` (FSDP's shard ranks) and ``dp_cp``
         (the ranks whose losses are averaged) add the context parallel ranks; without CP they are ``dp_shard``
-        and ``dp``."""
+        and ``dp``. With CP and TP, ``dp_cp_tp``: every rank of a pipeline stage."""
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-        names = ["pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp"]
-        sizes = [self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.cp, self.tp]
+        names = ["pp", "dp_replicate", "dp_shard_mod_ep", "cp", "ep", "tp"]  # cp before ep: see dp_shard_mod_ep_cp
+        sizes = [self.pp, self.dp_replicate, self.dp_shard // self.ep, self.cp, self.ep, self.tp]
         mesh = init_device_mesh(device_type, tuple(sizes), mesh_dim_names=tuple(names))
         self._flat = {
             "dp_shard": mesh[("dp_shard_mod_ep", "ep")]._flatten("dp_shard"),
             "dp": mesh[("dp_replicate", "dp_shard_mod_ep", "ep")]._flatten("dp"),
         }
         if self.cp > 1:
-            self._flat["dp_shard_cp"] = mesh[("dp_shard_mod_ep", "ep", "cp")]._flatten("dp_shard_cp")
-            self._flat["dp_cp"] = mesh[("dp_replicate", "dp_shard_mod_ep", "ep", "cp")]._flatten("dp_cp")
+            self._flat["dp_shard_cp"] = mesh[("dp_shard_mod_ep", "cp", "ep")]._flatten("dp_shard_cp")
+            self._flat["dp_cp"] = mesh[("dp_replicate", "dp_shard_mod_ep", "cp", "ep")]._flatten("dp_cp")
+            if self.ep > 1:  # the ranks holding the same experts: their data-parallel and CP peers (a mesh
+                # dimension before ep, so that the experts' (this, ep) mesh keeps the world mesh's order)
+                self._flat["dp_shard_mod_ep_cp"] = mesh[("dp_shard_mod_ep", "cp")]._flatten("dp_shard_mod_ep_cp")
         else:
             self._flat["dp_shard_cp"], self._flat["dp_cp"] = self._flat["dp_shard"], self._flat["dp"]
         if self.tp > 1:
@@ -158,7 +161,17 @@ class ParallelDims:
             self._flat["dp_tp"] = mesh[("dp_replicate", "dp_shard_mod_ep", "ep", "tp")]._flatten("dp_tp")
             if self.ep > 1:
                 self._flat["ep_tp"] = mesh[("ep", "tp")]._flatten("ep_tp")
+            if self.cp > 1:
+                self._flat["dp_cp_tp"] = mesh[("dp_replicate", "dp_shard_mod_ep", "cp", "ep", "tp")]._flatten(
+                    "dp_cp_tp")
         return mesh
+
+    def routing_group_name(self) -> str:
+        """The flattened dimension of the ranks that route different tokens through a MoDE layer (each its
+        part of the batch, of the sequence under CP, of the sequence's slice under TP's sequence parallel)."""
+        if self.tp > 1:
+            return "dp_cp_tp" if self.cp > 1 else "dp_tp"
+        return "dp_cp"
 
     def submesh(self, *names: str) -> DeviceMesh:
         """A 1-D or N-D view of the world mesh; flattened 1-D meshes are kept from their creation."""

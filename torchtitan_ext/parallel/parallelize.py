@@ -60,6 +60,7 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, cfg: JobConfig, on
 
         apply_fsdp(model, dp_mesh("dp_shard_cp") if dims.fsdp_enabled else None, param_dtype,
                    DTYPES[cfg.training.mixed_precision_reduce], reshard_after_forward=dims.pp == 1,
-                   experts_mesh=dp_mesh("dp_shard_mod_ep") if dims.ep > 1 else None,  # the dp ranks left after EP
+                   experts_mesh=dp_mesh("dp_shard_mod_ep_cp" if dims.cp > 1 else "dp_shard_mod_ep")
+                   if dims.ep > 1 else None,  # the dp (and CP) ranks left after EP
                    experts_unmanaged=dims.experts_alone,
                    moe_mesh=dp_mesh("dp_shard_tp") if moe_under_tp else None, tp=dims.tp)

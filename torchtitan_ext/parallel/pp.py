@@ -115,18 +115,25 @@ def split_stages(model: nn.Module, pp_rank: int, pp: int, virtual: int, schedule
     return stages
 
 
-class MaskCarrier(nn.Module):
-    """A stage that takes the micro-batch's visibility (start, limit) and positions as arguments and hands
-    them on with its output: ``torch.distributed.pipelining`` passes arguments to the first stage only, and
-    the mask must be split into micro-batches with the tokens. The integer tensors get no gradient."""
+class ArgCarrier(nn.Module):
+    """A stage that takes the micro-batch's per-token arguments after the hidden states and hands them on with
+    its output: ``torch.distributed.pipelining`` passes arguments to the first stage only, and they must be
+    split into micro-batches with the tokens. ``masked``: the visibility (start, limit) and the positions;
+    else the positions alone (context parallelism's global RoPE positions). The integer tensors get no
+    gradient."""
 
-    def __init__(self, stage: nn.Module, last: bool):
+    def __init__(self, stage: nn.Module, last: bool, masked: bool):
         super().__init__()
-        self.stage, self.last = stage, last
+        self.stage, self.last, self.masked = stage, last, masked
 
-    def forward(self, x: torch.Tensor, start: torch.Tensor, limit: torch.Tensor, positions: torch.Tensor):
-        out = self.stage(x, visibility=(start, limit), positions=positions)
-        return out if self.last else (out, start, limit, positions)
+    def forward(self, x: torch.Tensor, *carried: torch.Tensor):
+        if self.masked:
+            start, limit, positions = carried
+            out = self.stage(x, visibility=(start, limit), positions=positions)
+        else:
+            (positions,) = carried
+            out = self.stage(x, positions=positions)
+        return out if self.last else (out, *carried)
 
 
 class Stage(PipelineStage):
@@ -145,11 +152,12 @@ class Stage(PipelineStage):
 
 
 def build_schedule(stages: list[tuple[int, nn.Module]], n_stages: int, device: torch.device, group,
-                   schedule: str, microbatches: int, loss_fn: Callable, carry_mask: bool = False):
-    """The schedule driving this rank's (already parallelized and materialised) stages; ``carry_mask``:
-    the stages take and pass on (start, limit, positions) after the hidden states."""
-    if carry_mask:
-        stages = [(sid, MaskCarrier(m, sid == n_stages - 1)) for sid, m in stages]
+                   schedule: str, microbatches: int, loss_fn: Callable, carry: str = "none"):
+    """The schedule driving this rank's (already parallelized and materialised) stages; ``carry``: what the
+    stages take and pass on after the hidden states: ``"mask"`` (start, limit, positions), ``"positions"``
+    or ``"none"``."""
+    if carry != "none":
+        stages = [(sid, ArgCarrier(m, sid == n_stages - 1, carry == "mask")) for sid, m in stages]
     pipe = [Stage(m, sid, n_stages, device, group=group) for sid, m in stages]
     try:
         return SCHEDULES[schedule](pipe[0] if schedule in SINGLE_STAGE else pipe, n_microbatches=microbatches,

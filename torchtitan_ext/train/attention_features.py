@@ -26,13 +26,16 @@ def check_kv_share_split(n_layers: int, n_stages: int, split_points: list[str], 
 
 
 def pipeline_mask_args(inputs: torch.Tensor, model_kwargs: dict) -> tuple[torch.Tensor, ...]:
-    """(start, limit, positions) for the first pipeline stage (``parallel.pp.MaskCarrier``); positions
-    0, 1, ... when the batch has none (the same RoPE values as the tables)."""
-    start, limit = model_kwargs["visibility"]
+    """What the first pipeline stage takes after the tokens (``parallel.pp.ArgCarrier``): (start, limit,
+    positions) with a visibility mask, else (positions,) (context parallelism); positions 0, 1, ... when the
+    batch has none (the same RoPE values as the tables)."""
     positions = model_kwargs.get("positions")
     if positions is None:
-        positions = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs).contiguous()
-    return start, limit, positions
+        positions = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)
+    if "visibility" not in model_kwargs:
+        return (positions.contiguous(),)
+    start, limit = model_kwargs["visibility"]
+    return start, limit, positions.contiguous()
 
 
 class AttentionFeatures:

@@ -94,10 +94,10 @@ class Trainer:
         table = token_bytes(self.tokenizer, self.model_args.vocab_size)  # for val_bpb
         self.token_bytes = table.to(self.device) if table is not None else None
         self.has_moe = self.model_args.n_experts > 0
-        # Ranks that route different tokens through the MoDE layers: data-parallel ranks, and under TP each
-        # TP rank's slice of the sequence; expert loads are summed over them.
-        self.moe_group = self.dims.submesh("dp_tp" if self.dims.tp > 1 else "dp").get_group() \
-            if self.has_moe and self.dims.dp * self.dims.tp > 1 else None
+        # Ranks that route different tokens through the MoDE layers (data-parallel ranks, CP ranks, TP ranks'
+        # slices of the sequence): expert loads are summed over them.
+        self.moe_group = self.dims.submesh(self.dims.routing_group_name()).get_group() \
+            if self.has_moe and self.dims.dp * self.dims.cp * self.dims.tp > 1 else None
         self.placement = self._build_placement() if cfg.parallelism.ep_rebalance_steps > 0 else None
         self._placement_metrics: dict[str, float] = {}
         self.loss_fn = self._build_loss()
@@ -155,9 +155,10 @@ class Trainer:
     def _build_pipeline(self, model: BuiltModel) -> tuple[object, bool, bool]:
         """(the schedule, whether this rank holds the first stage, whether it holds the last)."""
         p, n_stages = self.cfg.parallelism, self.dims.pp * self.cfg.parallelism.pp_virtual_stages
+        masked = self.cfg.data.attention != "causal" or self.cfg.data.dataset == "chat"
+        carry = "mask" if masked else "positions" if self.dims.cp > 1 else "none"
         schedule = build_schedule(model.stages, n_stages, self.device, self.dims.submesh("pp").get_group(),
-                                  p.pp_schedule, self.pp_microbatches, self._pipeline_loss,
-                                  carry_mask=self.cfg.data.attention != "causal" or self.cfg.data.dataset == "chat")
+                                  p.pp_schedule, self.pp_microbatches, self._pipeline_loss, carry=carry)
         stage_ids = {sid for sid, _ in model.stages}
         return schedule, 0 in stage_ids, n_stages - 1 in stage_ids
 
@@ -265,7 +266,10 @@ class Trainer:
         """Per micro-batch on the last stage; the schedule averages over its micro-batches. With distillation
         the training labels arrive packed with their soft targets (``Distillation.pack``)."""
         labels, teacher = self.distill.unpack(target) if self.distill is not None else (target, None)
-        return self._loss(logits, labels, teacher) / self.accum_steps
+        loss = self._loss(logits, labels, teacher)
+        if self.cp_group is not None and not self.evaluating:
+            loss = loss * token_share(labels, self.cp_group).to(loss.dtype)
+        return loss / self.accum_steps
 
     def _loss_context(self) -> contextlib.AbstractContextManager:
         return loss_parallel() if self.loss_parallel else contextlib.nullcontext()

@@ -61,6 +61,10 @@ def test_seq_len_not_divisible_by_two_cp_is_one_line():
     with pytest.raises(ConfigError, match=r"^training.seq_len = 12 must be divisible by 2 x parallelism.cp = 8 "):
         check_cp_seq_len(12, 4)
     check_cp_seq_len(16, 4)
+    with pytest.raises(ConfigError, match=r"^training.seq_len = 24 must be divisible by 2 x parallelism.cp x "
+                                          r"parallelism.tp = 16 \(each of the 2 x cp chunks is split over the TP"):
+        check_cp_seq_len(24, 2, 4)
+    check_cp_seq_len(32, 2, 4)
 
 
 def test_cp_is_a_degree_of_the_world_that_reads_no_other_data():
@@ -76,9 +80,8 @@ def test_cp_is_a_degree_of_the_world_that_reads_no_other_data():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"parallelism.pp": 2}, "parallelism.cp = 2 with parallelism.pp = 2: context parallelism does not combine"),
     ({"comm.gradient_compression": "squinch"}, "parallelism.cp = 2 with comm.gradient_compression = 'squinch': "),
-    ({"model.n_experts": 4}, "parallelism.cp = 2 with a MoDE model (model.n_experts = 4): "),
+    ({"model.kv_share": "interleaved"}, "parallelism.cp = 2 with model.kv_share = 'interleaved': KV sharing "),
 ])
 def test_layouts_cp_does_not_take_are_one_line(change, message):
     import dataclasses
