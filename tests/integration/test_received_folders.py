@@ -239,3 +239,48 @@ def test_a_bytes_entry_that_would_run_code_is_refused_and_plain_ones_load(tmp_pa
         f"weights-only unpickler does not admit): a file that would run code when loaded; use a checkpoint from a "
         f"source you trust")
     assert not marker.exists() and state["train_state"]["step"] == 0
+
+
+class _EnumsByGetattr(pickle.Pickler):
+    """Pickles enum members as ``getattr(class, name)``, as Python 3.11.2 (Debian bookworm's) does."""
+
+    def reducer_override(self, obj):
+        import enum
+
+        if isinstance(obj, enum.Enum):
+            return getattr, (type(obj), obj.name)
+        return NotImplemented
+
+
+def _pickled_with_getattr(metadata) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    _EnumsByGetattr(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(metadata)
+    return buf.getvalue()
+
+
+def test_metadata_with_enums_pickled_by_getattr_loads_and_other_getattrs_are_refused(checkpointed_run, tmp_path):
+    """A genuine checkpoint written where enums pickle through ``getattr`` (its tensors' memory-format enum)
+    loads; ``getattr`` of anything but an enum member of an admitted class is refused in one line."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from torchtitan_ext.checkpoint.safe_reader import UnsafeCheckpointFile, read_metadata_file
+
+    original = checkpointed_run / "checkpoint" / "step-4" / ".metadata"
+    metadata = pickle.loads(original.read_bytes())  # the test's own, untampered file
+    data = _pickled_with_getattr(metadata)
+    assert b"getattr" in data and b"_MEM_FORMAT_ENCODING" in data
+    path = tmp_path / ".metadata"
+    path.write_bytes(data)
+    assert read_metadata_file(path).state_dict_metadata.keys() == metadata.state_dict_metadata.keys()
+
+    class GetattrOfAClass:
+        def __reduce__(self):
+            return getattr, (Metadata, "__reduce_ex__")
+
+    metadata.planner_data = GetattrOfAClass()
+    path.write_bytes(pickle.dumps(metadata))
+    with pytest.raises(UnsafeCheckpointFile, match=r": refused to unpickle getattr\(Metadata, '__reduce_ex__'\), "
+                                                   r"which DCP never writes there"):
+        read_metadata_file(path)

@@ -9,7 +9,9 @@ command it names when the folder is loaded (``checksums.json`` does not help: a 
 
 * ``read_metadata`` unpickles through ``MetadataUnpickler``, whose ``find_class`` admits only what DCP writes
   there: the classes of ``torch.distributed.checkpoint.metadata``, the storage record ``_StorageInfo``,
-  ``torch.Size``, torch's dtypes and layouts, paths (the checkpoint id) and plain containers;
+  ``torch.Size``, torch's dtypes and layouts, paths (the checkpoint id) and plain containers, and
+  ``getattr`` only as some Python versions (3.11.2, Debian's) pickle an enum member: ``getattr(enum class,
+  member name)`` on one of those classes;
 * every bytes entry is first unpickled by torch's ``weights_only`` unpickler (tensors, numbers, strings and
   containers only) before the planner places it.
 
@@ -20,6 +22,8 @@ export, the teacher pass) reads checkpoints through this module only.
 
 from __future__ import annotations
 
+import enum
+import functools
 import io
 import os
 import pickle
@@ -62,6 +66,15 @@ def _admitted(module: str, name: str) -> Any | None:
     return None
 
 
+def _enum_member(path: str | os.PathLike, cls: Any, name: Any) -> enum.Enum:
+    """``getattr(cls, name)`` where ``cls`` is an admitted enum class and ``name`` one of its members."""
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
+        return cls.__members__[name]
+    raise UnsafeCheckpointFile(
+        f"{path}: refused to unpickle getattr({getattr(cls, '__name__', type(cls).__name__)}, {name!r}), which DCP "
+        f"never writes there (a file that would run code when loaded); use a checkpoint from a source you trust")
+
+
 class MetadataUnpickler(pickle.Unpickler):
     """An unpickler of DCP's ``.metadata`` that refuses every global DCP does not write there."""
 
@@ -70,6 +83,8 @@ class MetadataUnpickler(pickle.Unpickler):
         self.path = path
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("builtins", "getattr"):
+            return functools.partial(_enum_member, self.path)
         found = _admitted(module, name)
         if found is None:
             raise UnsafeCheckpointFile(
