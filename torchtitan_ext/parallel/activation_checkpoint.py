@@ -44,6 +44,10 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int, moe_
     op-level policy cannot wrap a block holding one: torch's selective checkpointing then meets FSDP's hook
     ops a different number of times in the recomputation and stops (pytorch/pytorch#196862, not in torch
     <= 2.13). Those blocks are recomputed in full instead; returns how many were."""
+    if mode != "none" and hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        # The attention records its LSE metric as an attribute in forward: a compiled checkpointed block must
+        # not replay that in the recomputation (eager checkpointing records the same value again, harmlessly).
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     in_full_instead = 0
     for i, (name, block) in enumerate(list(model.layers.items())):
         if mode == "none" or mode == "selective" and every > 0 and i % every:

@@ -58,12 +58,6 @@ class AttentionFeatures:
                            if isinstance(m, Attention)}
         self.decoders = [m for part in parts for m in part.modules() if isinstance(m, Decoder)]
         self.cp_group = dims.submesh("cp").get_group() if dims.cp > 1 else None  # ranks with parts of one sequence
-        if t.compile and cfg.activation_checkpoint.mode != "none":
-            # Recording the LSE metric sets an attribute in the forward; a compiled checkpointed block must
-            # be told not to replay that during recomputation (which is also what eager checkpointing does
-            # harmlessly: it records the same value again).
-            if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
-                torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
         self.record_lse(False)
 
     def model_kwargs(self, batch, device: torch.device) -> dict:

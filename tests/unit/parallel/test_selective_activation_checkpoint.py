@@ -3,8 +3,6 @@ bytes (it keeps GEMM and attention outputs and recomputes the rest)."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 import torch.nn as nn
@@ -48,16 +46,6 @@ def _compiled_blocks(mode: str) -> tuple[torch.Tensor, list[torch.Tensor], int]:
 
 @pytest.mark.slow
 def test_selective_ac_compiled_same_gradients_fewer_saved_bytes():
-    # as the trainer sets it (train/attention_features.py): the attention records its LSE metric as an
-    # attribute in forward, which a compiled checkpointed block must not replay in recomputation; without it
-    # this test passed only after another test of the same process had run a trainer
-    config = torch._dynamo.config
-    with config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True) \
-            if hasattr(config, "skip_fwd_side_effects_in_bwd_under_checkpoint") else contextlib.nullcontext():
-        _check_selective_ac_compiled()
-
-
-def _check_selective_ac_compiled() -> None:
     ref_x, ref_params, bytes_none = _compiled_blocks("none")
     got_x, got_params, bytes_sac = _compiled_blocks("selective")
     torch.testing.assert_close(got_x, ref_x, rtol=1e-12, atol=1e-14)
