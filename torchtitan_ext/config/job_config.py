@@ -303,9 +303,6 @@ class Float8Section:
                                                          "(tensorwise, FSDP float8 all-gather)")
     experts: bool = opt(False, "MoDE experts' grouped GEMMs in float8 rowwise (compute capability 9.0; token "
                         "groups padded to 16 rows); needs float8.enabled")
-    fuse_projections: bool = opt(True, "q / k / v and the SwiGLU's w1 / w3 as one float8 GEMM each over their "
-                                 "concatenated weights (one cast of the input; tensorwise: one weight scale "
-                                 "for the group); not under TP or the float8 all-gather")
 
 
 @dataclass

@@ -13,7 +13,6 @@ class ComputeOptions:
     attention_z_reg: float = 0.0  # attention Z-reg coefficient (gradient only)
     return_hidden: bool = False  # the head is applied by the loss (training.fused_linear_ce)
     attention_kernel: str = "sdpa"  # causal kernel on CUDA: cudnn, flash, or sdpa (ops.attention_backend.causal_kernel)
-    fused_projections: bool = False  # q / k / v and w1 / w3 as one GEMM each (ops.projections; float8.fuse_projections)
 
 
 @dataclass(frozen=True)

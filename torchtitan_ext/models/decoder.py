@@ -21,7 +21,6 @@ from torchtitan_ext.models.ffn import FeedForward
 from torchtitan_ext.models.mode import MoDE
 from torchtitan_ext.ops.attention import attention, attention_lse, build_mask
 from torchtitan_ext.ops.kernels import add_rms_norm, qk_norm_rope
-from torchtitan_ext.ops.projections import project
 from torchtitan_ext.ops.visibility import causal_block_mask
 from torchtitan_ext.ops.zreg import add_virtual_loss, attention_z_virtual
 
@@ -129,7 +128,6 @@ class Attention(nn.Module):
         self.fused_kernels = options.fused_norm  # training.kernels = "triton": QK-norm + RoPE in one kernel
         self.softmax_scale = args.attention_scale  # None: 1 / sqrt(head_dim); muP: 1 / head_dim
         self.core = AttentionCore(options.attention_kernel)
-        self.fused_projections = options.fused_projections
 
     def norm_and_rotate(self, q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -153,12 +151,11 @@ class Attention(nn.Module):
         no block hands on, and activation checkpointing keeps, K and V nobody reads)."""
         b, t, _ = x.shape
         cos, sin = (r[None, :t] if r.ndim == 2 else r[:, :t] for r in rope)  # tables (seq, d) or (b, seq, d)
+        q = self.wq(x).view(b, t, -1, self.head_dim)
         if self.computes_kv:
-            q, k, v = (y.view(b, t, -1, self.head_dim)
-                       for y in project(x, (self.wq, self.wk, self.wv), self.fused_projections))
+            k, v = self.wk(x).view(b, t, -1, self.head_dim), self.wv(x).view(b, t, -1, self.head_dim)
             q, k = self.norm_and_rotate(q, k, cos, sin)
         else:
-            q = self.wq(x).view(b, t, -1, self.head_dim)
             (k, v), (q, _) = kv, self.norm_and_rotate(q, None, cos, sin)
         qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         want_lse = self.z_reg > 0 and torch.is_grad_enabled()
@@ -184,8 +181,7 @@ class Block(nn.Module):
         if args.is_moe(layer):
             self.feed_forward = MoDE(args, options.fused_activation)
         else:
-            self.feed_forward = FeedForward(args.dim, args.ffn_hidden, args.activation, options.fused_activation,
-                                            options.fused_projections)
+            self.feed_forward = FeedForward(args.dim, args.ffn_hidden, args.activation, options.fused_activation)
         self.fused_kernels = options.fused_norm  # training.kernels = "triton": residual add + ffn_norm, one kernel
         # [attention, ffn] branch scales (1-D: initialised to one, no weight decay)
         self.residual_scale = nn.Parameter(torch.ones(2)) if args.residual_scalars else None

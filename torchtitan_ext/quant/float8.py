@@ -46,7 +46,6 @@ import torch.nn as nn
 
 from torchtitan_ext.config.job_config import Float8Section
 from torchtitan_ext.errors import ConfigError
-from torchtitan_ext.ops.projections import register_fusion
 from torchtitan_ext.quant.float8_blockwise import BLOCK, CONTRACTION_MULTIPLE, convert_to_blockwise
 
 if TYPE_CHECKING:
@@ -168,7 +167,6 @@ def convert_to_float8(model: nn.Module, cfg: Float8Section, *, emulate: bool = F
 
     from torchtitan_ext.models.mode import GroupedExperts
 
-    register_fusion(Float8Linear, _same_float8_settings, _float8_matmul)
     log = log or logger.info
     skipped = {fqn: _skip_reason(cfg, m, fqn) for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
     skipped = {fqn: why for fqn, why in skipped.items() if why is not None}
@@ -185,21 +183,6 @@ def convert_to_float8(model: nn.Module, cfg: Float8Section, *, emulate: bool = F
         log(f"float8: {len(experts)} MoDE expert groups stay in bf16 (float8.experts = true runs their grouped "
             f"GEMMs in float8 rowwise)")
     return converted
-
-
-def _same_float8_settings(modules) -> bool:
-    first = modules[0]
-    return all(m.config == first.config and m.linear_mm_config == first.linear_mm_config for m in modules)
-
-
-def _float8_matmul(modules, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """What ``Float8Linear.forward`` computes, over a group's concatenated weight (``ops/projections.py``)."""
-    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
-
-    if torch.is_autocast_enabled("cuda"):  # as Float8Linear: the input in CUDA's autocast dtype
-        x = x.to(torch.get_autocast_dtype("cuda"))
-    first = modules[0]
-    return matmul_with_hp_or_float8_args.apply(x, weight.t(), first.linear_mm_config, first.config)
 
 
 def precompute_float8_scales(model_parts: list[nn.Module]) -> None:

@@ -204,13 +204,10 @@ def compute_options(cfg: JobConfig, args: ModelArgs, dims: ParallelDims, device:
     # a rank's heads over the whole sequence: all-to-all CP's attention call, the largest any layout makes
     check_math_backend(cfg.training.attention_backend, device, cfg.training.local_batch_size,
                        max(1, args.n_heads // (dims.tp * dims.cp)), cfg.training.seq_len)
-    f8 = cfg.float8
     return ComputeOptions(fused_norm=triton and dims.tp == 1, fused_activation=triton,
                           attention_z_reg=cfg.training.attention_z_reg,
                           return_hidden=cfg.training.fused_linear_ce,
-                          attention_kernel=causal_kernel(cfg.training.attention_backend, device),
-                          fused_projections=f8.enabled and f8.fuse_projections and dims.tp == 1
-                          and not f8.enable_fsdp_float8_all_gather)
+                          attention_kernel=causal_kernel(cfg.training.attention_backend, device))
 
 
 def check_layout(cfg: JobConfig, args: ModelArgs, dims: ParallelDims) -> None:
