@@ -138,13 +138,17 @@ def test_pp2_cp2_matches_single_process(tiny_one_process, tmp_path, scheme):
     _compare(tiny_one_process, tmp_path)
 
 
-MODE = ["--model.flavor", "mode_debug", "--model.aux_loss_coef", "0"]  # the balancing loss is per rank's tokens
+# A balancing loss coefficient large enough that its gradient shows in the gradient norms at RTOL.
+MODE = ["--model.flavor", "mode_debug", "--model.aux_loss_coef", "0.1"]
+# Two micro-batches of 2 sequences each: the balancing loss covers one micro-batch in one process, and one
+# data-parallel rank's part of the batch (the same 2 sequences) in a run with dp 2.
+TWO_MICRO_BATCHES = ["--training.local_batch_size", "2", "--training.global_batch_size", "4"]
 
 
 @pytest.fixture(scope="module")
 def mode_one_process(tmp_path_factory):
     dump = tmp_path_factory.mktemp("mode_one_process")
-    run_trainer(dump, 0, *MODE)
+    run_trainer(dump, 0, *MODE, *TWO_MICRO_BATCHES)
     return dump
 
 
