@@ -167,6 +167,12 @@ def test_mode_ep2_cp2_matches_single_process(mode_one_process, tmp_path):
 
 
 @pytest.mark.slow
-def test_mode_cp2_matches_single_process(mode_one_process, tmp_path):
-    run_trainer(tmp_path, 2, *MODE, *_cp(2, "alltoall"))
+def test_mode_cp2_compiled_matches_single_process(mode_one_process, tmp_path):
+    """MoDE, CP 2 (all-to-all), compiled, over the same two micro-batches as one process: the balancing loss
+    (its load fractions summed over the CP ranks inside the routing graph) and its metrics are the whole
+    sequences'."""
+    run_trainer(tmp_path, 2, *MODE, *_cp(2, "alltoall"), *TWO_MICRO_BATCHES, "--training.compile", "true")
     _compare_routing(mode_one_process, tmp_path)
+    for r, g in zip(read_metrics(mode_one_process), read_metrics(tmp_path), strict=True):
+        for key in ("moe/aux_loss", "moe/router_z_loss"):
+            assert g[key] == pytest.approx(r[key], rel=RTOL), (key, r["step"])
