@@ -138,7 +138,7 @@ def test_pp2_cp2_matches_single_process(tiny_one_process, tmp_path, scheme):
     _compare(tiny_one_process, tmp_path)
 
 
-# A balancing loss coefficient large enough that its gradient shows in the gradient norms at RTOL.
+# A Switch loss coefficient large enough that a loss over each CP rank's own tokens moves the losses past RTOL.
 MODE = ["--model.flavor", "mode_debug", "--model.aux_loss_coef", "0.1"]
 # Two micro-batches of 2 sequences each: the balancing loss covers one micro-batch in one process, and one
 # data-parallel rank's part of the batch (the same 2 sequences) in a run with dp 2.
@@ -161,7 +161,8 @@ def _compare_routing(reference, dump) -> None:
 
 
 def test_mode_ep2_cp2_matches_single_process(mode_one_process, tmp_path):
-    """MoDE, EP 2 x CP 2 (the experts' gradients averaged over their CP peers, the loads over every rank)."""
+    """MoDE, EP 2 x CP 2 (the experts' gradients averaged over their CP peers, the loads over every rank, the
+    Switch loss over each data-parallel rank's whole sequences, as over each micro-batch in one process)."""
     run_trainer(tmp_path, 4, *MODE, *_cp(2, "ring", dp_shard=2), "--parallelism.ep", "2")
     _compare_routing(mode_one_process, tmp_path)
 
