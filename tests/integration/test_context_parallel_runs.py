@@ -138,13 +138,17 @@ def test_pp2_cp2_matches_single_process(tiny_one_process, tmp_path, scheme):
     _compare(tiny_one_process, tmp_path)
 
 
-MODE = ["--model.flavor", "mode_debug", "--model.aux_loss_coef", "0"]  # the balancing loss is per rank's tokens
+# A Switch loss coefficient large enough that a loss over each CP rank's own tokens moves the losses past RTOL.
+MODE = ["--model.flavor", "mode_debug", "--model.aux_loss_coef", "0.1"]
+# Two micro-batches of 2 sequences each: the balancing loss covers one micro-batch in one process, and one
+# data-parallel rank's part of the batch (the same 2 sequences) in a run with dp 2.
+TWO_MICRO_BATCHES = ["--training.local_batch_size", "2", "--training.global_batch_size", "4"]
 
 
 @pytest.fixture(scope="module")
 def mode_one_process(tmp_path_factory):
     dump = tmp_path_factory.mktemp("mode_one_process")
-    run_trainer(dump, 0, *MODE)
+    run_trainer(dump, 0, *MODE, *TWO_MICRO_BATCHES)
     return dump
 
 
@@ -157,12 +161,19 @@ def _compare_routing(reference, dump) -> None:
 
 
 def test_mode_ep2_cp2_matches_single_process(mode_one_process, tmp_path):
-    """MoDE, EP 2 x CP 2 (the experts' gradients averaged over their CP peers, the loads over every rank)."""
+    """MoDE, EP 2 x CP 2 (the experts' gradients averaged over their CP peers, the loads over every rank, the
+    Switch loss over each data-parallel rank's whole sequences, as over each micro-batch in one process)."""
     run_trainer(tmp_path, 4, *MODE, *_cp(2, "ring", dp_shard=2), "--parallelism.ep", "2")
     _compare_routing(mode_one_process, tmp_path)
 
 
 @pytest.mark.slow
-def test_mode_cp2_matches_single_process(mode_one_process, tmp_path):
-    run_trainer(tmp_path, 2, *MODE, *_cp(2, "alltoall"))
+def test_mode_cp2_compiled_matches_single_process(mode_one_process, tmp_path):
+    """MoDE, CP 2 (all-to-all), compiled, over the same two micro-batches as one process: the balancing loss
+    (its load fractions summed over the CP ranks inside the routing graph) and its metrics are the whole
+    sequences'."""
+    run_trainer(tmp_path, 2, *MODE, *_cp(2, "alltoall"), *TWO_MICRO_BATCHES, "--training.compile", "true")
     _compare_routing(mode_one_process, tmp_path)
+    for r, g in zip(read_metrics(mode_one_process), read_metrics(tmp_path), strict=True):
+        for key in ("moe/aux_loss", "moe/router_z_loss"):
+            assert g[key] == pytest.approx(r[key], rel=RTOL), (key, r["step"])

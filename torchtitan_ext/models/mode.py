@@ -7,7 +7,9 @@ token copies are sorted by expert and run through one grouped GEMM per weight (`
 scattered back weighted by their gates. ``GroupedExperts`` is the unit expert parallelism distributes.
 
 Balancing losses (Switch load-balancing, router z-loss) do not change the forward value; they enter the
-backward pass through ``add_aux_loss`` so they reach the router from any pipeline stage.
+backward pass through ``add_aux_loss`` so they reach the router from any pipeline stage. The Switch loss is
+the whole sequence's: where a layer sees a part of each sequence (context or sequence parallelism), its
+``routed_counts`` part sums the routed copies over the parts (``parallel/sequence_balance.py``).
 """
 
 from __future__ import annotations
@@ -176,6 +178,15 @@ class GroupedExperts(nn.Module):
         return grouped_mm(h, w2, ends)
 
 
+class RoutedCounts(nn.Module):
+    """Routed copies per expert over every token of the sequences the layer's input is part of: the Switch
+    loss's load fractions. Here the input's own counts (the layer sees whole sequences); parallelism that
+    hands each rank a part of every sequence swaps in a part that sums them (``parallel/sequence_balance.py``)."""
+
+    def forward(self, counts: torch.Tensor) -> torch.Tensor:
+        return counts
+
+
 class MoDE(nn.Module):
     MAX_DOMAINS = 16
 
@@ -189,6 +200,7 @@ class MoDE(nn.Module):
         self.experts = GroupedExperts(args.n_experts, args.dim, args.expert_hidden)
         self.shared_expert = FeedForward(args.dim, args.expert_hidden, fused=fused_activation) \
             if args.shared_expert else None
+        self.routed_counts = RoutedCounts()
         # The balancing losses' gradient weight: the main loss's scaling (``Decoder.set_loss_scales``).
         self.aux_grad_scale = 1.0
         # Auxiliary-loss-free balancing: added to the scores for selection only; saved in checkpoints.
@@ -230,11 +242,17 @@ class MoDE(nn.Module):
             gates = gates / gates.sum(dim=-1, keepdim=True)
         return idx, gates, logits
 
-    def balancing_loss(self, logits: torch.Tensor, idx: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def balancing_loss(self, logits: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Switch loss ``E * sum_e f_e * P_e`` (f: fraction of routed copies, P: mean router probability)
-        times its coefficient, plus the router z-loss times its coefficient."""
+        times its coefficient, plus the router z-loss times its coefficient.
+
+        f counts the whole sequences (``routed_counts``; no gradient), P this input's tokens: where each rank
+        holds an equal part of every sequence, the ranks' mean of this loss is the whole sequences' loss and
+        the mean of their gradients its gradient (each rank's part of P_e is its tokens' share). The z-loss is
+        a per-token mean, which the ranks' mean makes the whole sequences' likewise."""
         probs = logits.softmax(dim=-1)
-        frac = counts.float() / idx.numel()
+        total = self.routed_counts(counts)
+        frac = total.to(probs.dtype) / total.sum()
         aux = self.n_experts * (frac * probs.mean(dim=0)).sum()
         z = torch.logsumexp(logits, dim=-1).square().mean()
         self.last_aux_loss, self.last_z_loss = aux.detach(), z.detach()
@@ -272,7 +290,7 @@ class MoDE(nn.Module):
         if self.training:  # loads steer the balancing bias and the metrics: training tokens only
             self._count_load(counts, flat, shape)
             if self.aux_coef > 0 or self.z_coef > 0:
-                aux = self.balancing_loss(logits, idx, counts)
+                aux = self.balancing_loss(logits, counts)
         return dispatch_copies(x, order, inv, self.top_k), slot_counts, (order, inv, gates, aux)
 
     def combine_outputs(self, y: torch.Tensor, x: torch.Tensor, plan: tuple,

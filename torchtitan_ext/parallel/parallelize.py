@@ -16,6 +16,7 @@ from torchtitan_ext.parallel.context_parallel import apply_cp
 from torchtitan_ext.parallel.dims import ParallelDims
 from torchtitan_ext.parallel.ep import apply_ep
 from torchtitan_ext.parallel.fsdp import DTYPES, apply_fsdp
+from torchtitan_ext.parallel.sequence_balance import apply_sequence_balancing
 from torchtitan_ext.parallel.tp import apply_tp, enable_async_tp
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,9 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, cfg: JobConfig, on
         apply_ep(model, dims.submesh("ep_tp" if dims.tp > 1 else "ep"), data_parallel_share=dims.ep)
     if dims.cp > 1:
         apply_cp(model, dims.submesh("cp").get_group(), cfg.parallelism.cp_scheme)
+    sequence_parts = [dims.submesh(name).get_group() for name, size in (("cp", dims.cp), ("tp", dims.tp)) if size > 1]
+    if sequence_parts:  # each rank routes a part of every sequence: MoDE's load fractions sum the parts
+        apply_sequence_balancing(model, sequence_parts)
     moe_under_tp = dims.tp > 1 and any(isinstance(block.feed_forward, MoDE) for block in model.layers.values())
     moe_fsdp_units = dims.ep > 1 or moe_under_tp  # the experts (EP) or the MoDE layers (TP) shard on their own
     ac = cfg.activation_checkpoint

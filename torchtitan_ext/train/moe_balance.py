@@ -24,9 +24,10 @@ def set_token_domains(parts: list[nn.Module], domains: torch.Tensor | None) -> N
 def balance_experts(parts: list[nn.Module], group: dist.ProcessGroup | None, report: bool) -> dict[str, float]:
     """Sum each MoDE layer's routed load over the data-parallel ``group``, step the routing bias of layers
     that use auxiliary-loss-free balancing, and (when ``report``) return the metrics:
-    ``moe/<layer>/imbalance`` (max / mean tokens per expert), the mean aux and z losses, and per-domain
-    expert usage. Loads are reset; without bias updates they accumulate until the next report. All layers'
-    counters travel in one all-reduce (two when reporting per-domain loads), not one per layer."""
+    ``moe/<layer>/imbalance`` (max / mean tokens per expert), the aux and z losses (the layers' mean, averaged
+    over ``group``), and per-domain expert usage. Loads are reset; without bias updates they accumulate until
+    the next report. All layers' counters travel in one all-reduce (three when reporting: the per-domain loads
+    and the balancing losses), not one per layer."""
     metrics: dict[str, float] = {}
     layers = [(name, layer) for name, layer in mode_layers(parts) if report or layer.bias_update_rate > 0]
     if not layers:
@@ -56,6 +57,11 @@ def balance_experts(parts: list[nn.Module], group: dist.ProcessGroup | None, rep
             metrics[f"moe/{name}/domain{d}_top_expert_share"] = share.max().item()
             metrics[f"moe/{name}/domain{d}_top_expert"] = float(share.argmax())
     if aux:
-        metrics["moe/aux_loss"] = torch.stack(aux).mean().item()
-        metrics["moe/router_z_loss"] = torch.stack(z).mean().item()
+        # Each rank's losses are its share of its sequences' (``MoDE.balancing_loss``): their mean over the
+        # group is the whole sequences' (averaged over the data-parallel ranks' batches).
+        losses = torch.stack([torch.stack(aux), torch.stack(z)]).double()
+        if group is not None:
+            dist.all_reduce(losses, group=group)
+            losses /= dist.get_world_size(group)
+        metrics["moe/aux_loss"], metrics["moe/router_z_loss"] = losses.mean(dim=1).tolist()
     return metrics

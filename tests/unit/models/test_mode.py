@@ -41,7 +41,7 @@ def test_aux_loss_reduces_imbalance():
     for _ in range(50):
         opt.zero_grad()
         idx, _, logits = layer.route(x)
-        layer.balancing_loss(logits, idx, torch.bincount(idx.flatten(), minlength=8)).backward()
+        layer.balancing_loss(logits, torch.bincount(idx.flatten(), minlength=8)).backward()
         opt.step()
     after = _imbalance(layer, x)
     assert before > 3.0 and after < 0.5 * before, (before, after)
