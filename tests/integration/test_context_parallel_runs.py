@@ -224,3 +224,22 @@ def test_cp2_squinch_tracks_the_uncompressed_run(tiny_one_process, tmp_path):
         assert s["comm/bytes_uncompressed"] == 4 * n_params
         assert s["comm/bytes_sent"] == pytest.approx(FP32_RATIO * s["comm/bytes_uncompressed"], rel=1e-3)
     assert squinch[-1]["loss"] < 0.7 * squinch[0]["loss"]
+
+
+@pytest.mark.slow
+def test_hsdp2_cp2_squinch_compresses_the_replicate_all_reduce(tiny_one_process, tmp_path):
+    """HSDP 2 x CP 2 with Squinch: FSDP shards over the CP pair, natively reduce-scattered, and the replicas'
+    all-reduce of each rank's shard (half the parameters) goes in Squinch bytes; the losses track the
+    uncompressed run as above."""
+    proc = run_trainer(tmp_path, 4, *_cp(2, "ring"), "--parallelism.dp_replicate", "2",
+                       "--training.local_batch_size", "2", "--comm.gradient_compression", "squinch")
+    assert proc.stdout.count("gradient compression: Squinch on the all-reduce over dp_replicate = 2 (per module, "
+                             "overlapped with the backward); the reduce-scatter over dp_shard x cp = 2 stays "
+                             "uncompressed") == 1
+    n_params = int(re.search(r"model debug: ([\d,]+) parameters", proc.stdout)[1].replace(",", ""))
+    plain, squinch = read_metrics(tiny_one_process), read_metrics(tmp_path)
+    assert squinch[0]["loss"] == pytest.approx(plain[0]["loss"], rel=RTOL)
+    for p, s in zip(plain, squinch, strict=True):
+        assert s["loss"] == pytest.approx(p["loss"], rel=SQUINCH_RTOL), s["step"]
+        assert s["comm/bytes_uncompressed"] == pytest.approx(4 * n_params / 2, rel=1e-3)
+        assert s["comm/bytes_sent"] == pytest.approx(FP32_RATIO * s["comm/bytes_uncompressed"], rel=1e-3)
