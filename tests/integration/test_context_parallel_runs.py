@@ -1,13 +1,17 @@
 """Context parallelism through the real trainer on gloo: the same per-step losses and gradient norms as one
 process (same seed, data and global batch), alone and under FSDP, HSDP, TP, PP and expert parallelism, a
-checkpoint saved at cp 2 that resumes in one process, and one-line refusals of the layouts it does not take."""
+checkpoint saved at cp 2 that resumes in one process, and one-line refusals of the layouts it does not take;
+KV sharing under CP, and Squinch gradient compression over the CP ranks."""
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
 from trainer_utils import losses, read_metrics, run_trainer
+
+from torchtitan_ext.comm.squinch import BLOCK, BLOCK_BYTES
 
 RTOL, GN_RTOL = 1e-5, 1e-4  # float32 on CPU: the sequence's parts sum in another order than one process
 CKPT_AT_3 = ["--checkpoint.enabled", "true", "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0"]
@@ -177,3 +181,76 @@ def test_mode_cp2_compiled_matches_single_process(mode_one_process, tmp_path):
     for r, g in zip(read_metrics(mode_one_process), read_metrics(tmp_path), strict=True):
         for key in ("moe/aux_loss", "moe/router_z_loss"):
             assert g[key] == pytest.approx(r[key], rel=RTOL), (key, r["step"])
+
+
+KV_SHARE = ["--model.kv_share", "interleaved"]  # layers 1 and 3 attend over the K/V of layers 0 and 2
+
+
+@pytest.fixture(scope="module")
+def kv_share_one_process(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("kv_share_one_process")
+    run_trainer(dump, 0, *KV_SHARE)
+    return dump
+
+
+@pytest.mark.parametrize("scheme", ["ring", "alltoall"])
+def test_cp2_kv_share_matches_single_process(kv_share_one_process, tmp_path, scheme):
+    """Interleaved KV sharing: a consumer layer's core takes its producer's local K/V (the ring passes them
+    around and hands their gradient back; the all-to-all trades their heads), so the producer's wk / wv get
+    the consumer's share of the gradient as in one process."""
+    run_trainer(tmp_path, 2, *_cp(2, scheme), *KV_SHARE)
+    _compare(kv_share_one_process, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["ring", "alltoall"])
+def test_cp2_kv_share_compiled_selective_ac_matches_single_process(kv_share_one_process, tmp_path, scheme):
+    """KV sharing under CP with compiled blocks and op-level selective AC: the shared K/V leave one block's
+    graph and enter the next one's, and the recomputed forward hands the consumer the same K/V."""
+    run_trainer(tmp_path, 2, *_cp(2, scheme), *KV_SHARE, "--training.compile", "true",
+                "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_every", "0")
+    _compare(kv_share_one_process, tmp_path)
+
+
+SQUINCH_RTOL = 0.02  # a Squinch run's loss against the uncompressed one's (test_squinch_train.py)
+FP32_RATIO = BLOCK_BYTES / (BLOCK * 4)  # 6 bytes per 8 float32 values
+
+
+def test_cp2_squinch_tracks_the_uncompressed_run(tiny_one_process, tmp_path):
+    """Squinch on FSDP's reduce-scatter over dp_shard x cp (here the CP pair): every rank hands its whole
+    unsharded gradient in 6/32 of its float32 bytes; the first loss is the uncompressed run's (same weights and
+    data), the later ones differ (the compressed gradients reached the weights) but stay within 2% of it, and
+    the loss falls. The uncompressed reference is one process, equal to the uncompressed CP run
+    (test_cp2_ring_matches_single_process)."""
+    proc = run_trainer(tmp_path, 2, *_cp(2, "ring"), "--comm.gradient_compression", "squinch")
+    assert proc.stdout.count("gradient compression: Squinch on the FSDP2 reduce-scatter over dp_shard x cp = 2 "
+                             "ranks") == 1
+    n_params = int(re.search(r"model debug: ([\d,]+) parameters", proc.stdout)[1].replace(",", ""))
+    plain, squinch = read_metrics(tiny_one_process), read_metrics(tmp_path)
+    assert [r["step"] for r in squinch] == [1, 2, 3, 4, 5]
+    assert squinch[0]["loss"] == pytest.approx(plain[0]["loss"], rel=RTOL)
+    assert any(s["loss"] != pytest.approx(p["loss"], rel=RTOL) for p, s in zip(plain[1:], squinch[1:], strict=True))
+    for p, s in zip(plain, squinch, strict=True):
+        assert s["loss"] == pytest.approx(p["loss"], rel=SQUINCH_RTOL), s["step"]
+        assert s["comm/bytes_uncompressed"] == 4 * n_params
+        assert s["comm/bytes_sent"] == pytest.approx(FP32_RATIO * s["comm/bytes_uncompressed"], rel=1e-3)
+    assert squinch[-1]["loss"] < 0.7 * squinch[0]["loss"]
+
+
+@pytest.mark.slow
+def test_hsdp2_cp2_squinch_compresses_the_replicate_all_reduce(tiny_one_process, tmp_path):
+    """HSDP 2 x CP 2 with Squinch: FSDP shards over the CP pair, natively reduce-scattered, and the replicas'
+    all-reduce of each rank's shard (half the parameters) goes in Squinch bytes; the losses track the
+    uncompressed run as above."""
+    proc = run_trainer(tmp_path, 4, *_cp(2, "ring"), "--parallelism.dp_replicate", "2",
+                       "--training.local_batch_size", "2", "--comm.gradient_compression", "squinch")
+    assert proc.stdout.count("gradient compression: Squinch on the all-reduce over dp_replicate = 2 (per module, "
+                             "overlapped with the backward); the reduce-scatter over dp_shard x cp = 2 stays "
+                             "uncompressed") == 1
+    n_params = int(re.search(r"model debug: ([\d,]+) parameters", proc.stdout)[1].replace(",", ""))
+    plain, squinch = read_metrics(tiny_one_process), read_metrics(tmp_path)
+    assert squinch[0]["loss"] == pytest.approx(plain[0]["loss"], rel=RTOL)
+    for p, s in zip(plain, squinch, strict=True):
+        assert s["loss"] == pytest.approx(p["loss"], rel=SQUINCH_RTOL), s["step"]
+        assert s["comm/bytes_uncompressed"] == pytest.approx(4 * n_params / 2, rel=1e-3)
+        assert s["comm/bytes_sent"] == pytest.approx(FP32_RATIO * s["comm/bytes_uncompressed"], rel=1e-3)

@@ -15,17 +15,17 @@ def apply_compile(model: nn.Module, experts_in_graph: bool, tensor_parallel: boo
 
     ``eager_attention``: each block's attention runs eagerly between the block's graphs, its QK-norm and RoPE
     compiled on their own (context parallel ring attention: its point-to-point transfers do not trace, and a
-    graph broken inside the attention hands its projections' views on, which torch 2.13 replays with corrupt
-    shapes).
+    graph broken inside the attention would hand its projections' views on to the next graph, whose replay of
+    those views gives corrupt shapes).
 
     ``compile_head``: compile the output head too, in place (its parameter names stay). For a float8 head:
     eagerly, torchao's amax, scale and cast of the (tokens x vocabulary) logit gradient are separate kernels
     that cost more than the float8 GEMM saves; compiled, they fuse.
 
-    Under tensor parallelism the AOTAutograd cache is turned off: with a warm cache, TP ranks of a compiled
-    MoDE model were measured to load a backward graph that gave wrong gradients from the second step on
-    (torch 2.13, CPU: a rank's backward can differ from its peer's while the forward graph, the cache key,
-    is the same). Inductor's own kernel cache stays on."""
+    Under tensor parallelism the AOTAutograd cache is turned off: its key is the forward graph, which TP ranks
+    share while a rank's backward can differ from its peer's, so with a warm cache a rank of a compiled MoDE
+    model can load a backward graph that is not its own and compute wrong gradients from the second step on.
+    Inductor's own kernel cache stays on."""
     if tensor_parallel:
         torch._functorch.config.enable_autograd_cache = False
     for name, block in list(model.layers.items()):
@@ -47,8 +47,8 @@ def apply_compile(model: nn.Module, experts_in_graph: bool, tensor_parallel: boo
 def _compile_around_attention(block: nn.Module) -> None:
     """Compile a block's parts around an eager attention one by one (its norms, the attention's QK-norm and
     RoPE, the feed-forward): under tensor parallelism a block graph broken at the attention hands a
-    sequence-parallel DTensor's backward a plain-tensor gradient (torch 2.13), so the block stays eager and
-    every graph is whole."""
+    sequence-parallel DTensor's backward a plain-tensor gradient, so the block stays eager and every graph is
+    whole."""
     block.attention_norm.compile(fullgraph=True)
     block.attention.norm_and_rotate = torch.compile(block.attention.norm_and_rotate, fullgraph=True)
     block.ffn_norm.compile(fullgraph=True)
@@ -63,7 +63,7 @@ def _compile_around_experts(block: nn.Module) -> None:
     The experts cannot sit inside a graph under expert parallelism (the all-to-all's split sizes are read on
     the host), when they or their MoDE layer are an FSDP unit of their own (FSDP's hooks run eagerly), on
     CPU (the grouped-GEMM fallback loops over groups whose sizes are data), or in float8 (inside the graph
-    torchao 0.17's float8 grouped GEMMs gave non-finite gradient norms on some steps). Their SwiGLU is not compiled
+    torchao's float8 grouped GEMMs give non-finite gradient norms on some steps). Their SwiGLU is not compiled
     either: its row count differs by rank and step (a recompile each time), and compiling it gained nothing
     measurable. Compiled methods keep every parameter's name; few, large graphs keep the host ahead of the
     GPU."""

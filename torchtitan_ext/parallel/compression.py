@@ -4,11 +4,13 @@ installs on the model parts, and this rank's error-feedback residuals for the ch
 ``comm.gradient_compression = "squinch"`` compresses the data-parallel reduction that crosses the slow link:
 
 * ``parallelism.dp_mode = "ddp"``: the DDP all-reduce (a comm hook).
-* FSDP over ``dp_shard`` alone: the FSDP2 reduce-scatter.
+* FSDP over ``dp_shard`` alone: the FSDP2 reduce-scatter. Under context parallelism FSDP shards over
+  ``dp_shard x cp`` (the CP ranks hold gradients of different parts of the same sequences), and the same
+  reduce-scatter runs over those ranks.
 * HSDP (``dp_replicate > 1``): only the all-reduce over ``dp_replicate`` (the replicas, one per node), as an
   FSDP2 all-reduce hook per module started as soon as that module's reduce-scatter is done, overlapped with
-  the rest of the backward pass. The reduce-scatter over ``dp_shard`` (inside a node: NVLink) stays FSDP's
-  own. The model is then sharded over ``dp_shard`` alone (``parallelize`` asks
+  the rest of the backward pass. The reduce-scatter over ``dp_shard`` (x ``cp``; inside a node: NVLink) stays
+  FSDP's own. The model is then sharded over ``dp_shard`` (x ``cp``) alone (``parallelize`` asks
   :func:`replicate_all_reduce_replaced`), since FSDP2's native HSDP all-reduce cannot be replaced.
 """
 
@@ -170,15 +172,16 @@ def apply_gradient_compression(model_parts: Sequence[nn.Module], comm: CommSecti
         log("gradient compression: comm.gradient_compression = 'squinch' has nothing to compress "
             "(no data-parallel degree > 1, so no gradient reduction)")
         return None
+    # FSDP shards over dp_shard x cp: the context parallel ranks' gradients of the same data are reduced too.
+    shard = f"dp_shard x cp = {dims.dp_shard * dims.cp}" if dims.cp > 1 else f"dp_shard = {dims.dp_shard}"
     if replicate_all_reduce_replaced(comm, dims):
         _install_replicate(compression, model_parts, prefixes, dims, options, overlap)
         when = "per module, overlapped with the backward" if overlap else "after the backward"
         log(f"gradient compression: Squinch on the all-reduce over dp_replicate = {dims.dp_replicate} ({when}); "
-            f"the reduce-scatter over dp_shard = {dims.dp_shard} stays uncompressed ({settings})")
+            f"the reduce-scatter over {shard} stays uncompressed ({settings})")
         return compression
     for prefix, part in zip(prefixes, model_parts, strict=True):
         for fqn, reduce_scatter in apply_squinch_fsdp(part, **options).items():
             compression.per_module[f"{prefix}fsdp/{fqn}"] = (reduce_scatter, _module_device(part, fqn))
-    log(f"gradient compression: Squinch on the FSDP2 reduce-scatter over dp_shard = {dims.dp_shard} ranks "
-        f"({settings})")
+    log(f"gradient compression: Squinch on the FSDP2 reduce-scatter over {shard} ranks ({settings})")
     return compression

@@ -11,6 +11,10 @@ the whole sequence by one of two schemes, swapped into the plain model's attenti
   the whole sequence, runs the ordinary attention core with the whole sequence's mask, and trades back.
   GQA's K/V heads are repeated up to a multiple of cp first when cp does not divide them.
 
+Interleaved KV sharing needs nothing of its own: a consumer layer hands its core the local K/V of its group's
+first layer, which the ring passes around (returning its gradient to this rank) and the all-to-all trades like
+the layer's own.
+
 The trainer hands the model each rank's part of the batch (``shard_batch``): tokens, labels, RoPE positions
 (global) and the visibility pair of the local keys (global coordinates).
 """
@@ -36,21 +40,12 @@ Steps = list[list[Block]]  # ring step s -> the blocks of the local queries agai
 
 
 def check_cp(cfg, args: ModelArgs, dims) -> None:
-    """One ConfigError line for what context parallelism does not take (yet)."""
+    """One ConfigError line for a layout context parallelism cannot cut: the sequence into 2 x cp equal chunks
+    (``check_cp_seq_len``), the heads per TP rank over the CP ranks for the all-to-all scheme."""
     cp, p, t = dims.cp, cfg.parallelism, cfg.training
     if cp == 1:
         return
     check_cp_seq_len(t.seq_len, cp, dims.tp)
-    refusals = (
-        (args.kv_share != "none", f"parallelism.cp = {cp} with model.kv_share = {args.kv_share!r}: KV sharing "
-                                  "does not combine with context parallelism yet"),
-        (cfg.comm.gradient_compression != "none", f"parallelism.cp = {cp} with comm.gradient_compression = "
-                                                  f"{cfg.comm.gradient_compression!r}: gradient compression does "
-                                                  "not combine with context parallelism yet"),
-    )
-    for refused, line in refusals:
-        if refused:
-            raise ConfigError(line)
     if p.cp_scheme == "alltoall" and (args.n_heads // dims.tp) % cp:
         raise ConfigError(f"parallelism.cp_scheme = 'alltoall' needs the attention heads per rank "
                           f"(model n_heads {args.n_heads} / tp {dims.tp}) divisible by parallelism.cp = {cp}; "

@@ -30,6 +30,7 @@ from torchtitan_ext.config.job_config import JobConfig
 from torchtitan_ext.data.tokenizers import vocab_size_of
 from torchtitan_ext.errors import ConfigError
 from torchtitan_ext.models.args import ModelArgs
+from torchtitan_ext.parallel.cp_layout import check_cp_seq_len
 from torchtitan_ext.parallel.dims import ParallelDims, ParallelDimsError
 from torchtitan_ext.parallel.pp import ZERO_BUBBLE
 
@@ -194,16 +195,15 @@ def check_trainer_layout(cfg: JobConfig, args: ModelArgs, dims: ParallelDims) ->
 
 def check_cp(cfg: JobConfig, args: ModelArgs, world: int) -> None:
     """Context parallelism against the world, the sequence and the heads (ConfigError, one line): cp divides the
-    world, 2 x cp chunks of equal length per sequence (each split again over TP's sequence-parallel ranks), heads
-    per TP rank divisible by cp for the all-to-all scheme, and FSDP (not DDP) as the data parallelism."""
-    p, seq = cfg.parallelism, cfg.training.seq_len
+    world, 2 x cp chunks of equal length per sequence, each split again over TP's sequence-parallel ranks (the
+    trainer's own ``check_cp_seq_len``), heads per TP rank divisible by cp for the all-to-all scheme, and FSDP
+    (not DDP) as the data parallelism."""
+    p = cfg.parallelism
     if p.cp == 1:
         return
     if world % p.cp:
         raise ConfigError(f"parallelism.cp = {p.cp} must divide the world size {world}")
-    if seq % (2 * p.cp * p.tp):
-        raise ConfigError(f"training.seq_len = {seq} must be divisible by 2 x parallelism.cp x parallelism.tp = "
-                          f"{2 * p.cp * p.tp} (each sequence is cut into 2 x cp chunks, each split over TP)")
+    check_cp_seq_len(cfg.training.seq_len, p.cp, p.tp)
     if p.cp_scheme == "alltoall" and (args.n_heads // p.tp) % p.cp:
         raise ConfigError(f"parallelism.cp_scheme = 'alltoall' needs the attention heads per TP rank "
                           f"({args.n_heads // p.tp}) divisible by parallelism.cp = {p.cp}; use cp_scheme ring")

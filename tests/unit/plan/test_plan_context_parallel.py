@@ -91,7 +91,11 @@ def test_ring_transfers_hide_behind_long_attention_only():
 @pytest.mark.parametrize("argv,expect", [
     (["--gpus", "4", "--parallelism.cp", "3"], "parallelism.cp = 3 must divide the world size 4"),
     (["--gpus", "4", "--parallelism.cp", "4", "--training.seq_len", "36"],
-     "training.seq_len = 36 must be divisible by 2 x parallelism.cp x parallelism.tp = 8"),
+     "training.seq_len = 36 must be divisible by 2 x parallelism.cp = 8 (context parallelism cuts each sequence "
+     "into 2 x cp equal chunks)"),
+    (["--gpus", "8", "--parallelism.cp", "2", "--parallelism.tp", "4", "--training.seq_len", "36"],
+     "training.seq_len = 36 must be divisible by 2 x parallelism.cp x parallelism.tp = 16 (each of the 2 x cp "
+     "chunks is split over the TP ranks)"),
     (["--gpus", "8", "--parallelism.cp", "8", "--parallelism.cp_scheme", "alltoall"],
      "parallelism.cp_scheme = 'alltoall' needs the attention heads per TP rank (4) divisible by parallelism.cp = 8"),
     (["--gpus", "4", "--parallelism.cp", "2", "--parallelism.dp_mode", "ddp"], "parallelism.dp_mode = 'ddp' with"),
