@@ -290,7 +290,7 @@ class CommSection:
 
 @dataclass
 class Float8Section:
-    enabled: bool = opt(False, "torchao float8 linears (a GPU of compute capability >= 8.9)")
+    enabled: bool = opt(False, "torchao float8 linears (a GPU of compute capability >= 8.9, or float8.emulate)")
     recipe: str = opt("tensorwise", "scaling recipe (blockwise: DeepSeek-V3's 1x128 / 128x128 block scales, "
                       "Hopper, no TP)", choices=("tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise"))
     filter_fqns: list = opt(["output"], "modules whose FQN contains one of these stay in bf16")
@@ -303,6 +303,8 @@ class Float8Section:
                                                          "(tensorwise, FSDP float8 all-gather)")
     experts: bool = opt(False, "MoDE experts' grouped GEMMs in float8 rowwise (compute capability 9.0; token "
                         "groups padded to 16 rows); needs float8.enabled")
+    emulate: bool = opt(False, "run the float8 casts and scales with high-precision GEMMs of the float8-rounded "
+                        "operands, on any device (CPU included): for tests and debugging, not for speed")
 
 
 @dataclass

@@ -72,7 +72,9 @@ def check_float8_supported(cfg: Float8Section, device: torch.device, fused_linea
                            tp: int = 1) -> None:
     """Refuse, before any work starts, a float8 setup that cannot run here; a no-op when FP8 is off.
     ``fused_linear_ce``: the trainer's ``training.fused_linear_ce``, which applies the head's high-precision
-    weight itself and so would silently bypass a float8 head. ``tp``: the tensor-parallel degree."""
+    weight itself and so would silently bypass a float8 head. ``tp``: the tensor-parallel degree.
+    ``float8.emulate`` skips the device checks (every recipe and the float8 experts have an emulated path in plain
+    torch) but still needs torchao."""
     if not cfg.enabled:
         return
     if cfg.recipe == "blockwise" and tp > 1:
@@ -90,6 +92,9 @@ def check_float8_supported(cfg: Float8Section, device: torch.device, fused_linea
     if cfg.precompute_float8_dynamic_scale_for_fsdp and not cfg.enable_fsdp_float8_all_gather:
         raise ConfigError("float8.precompute_float8_dynamic_scale_for_fsdp = true has no effect without "
                           "float8.enable_fsdp_float8_all_gather = true")
+    if cfg.emulate:  # high-precision GEMMs of float8-rounded operands: plain torch on any device
+        _torchao_float8()
+        return
     if device.type != "cuda":
         raise ConfigError(f"float8.enabled = true needs a CUDA GPU of compute capability >= {_CAP} (H100, "
                           f"L40S, RTX 4090 ...); this job runs on {device.type}")
@@ -177,6 +182,7 @@ def convert_to_float8(model: nn.Module, cfg: Float8Section, *, emulate: bool = F
                                       config=_linear_config(f8, cfg, emulate))
         converted = [fqn for fqn, m in model.named_modules() if isinstance(m, Float8Linear)]
     log(f"float8 {cfg.recipe}: {len(converted)} linears converted, {len(skipped)} kept in bf16"
+        + " (emulated: high-precision GEMMs of float8-rounded operands)" * emulate
         + "".join(f"\n  bf16: {fqn} ({why})" for fqn, why in skipped.items()))
     experts = [fqn for fqn, m in model.named_modules() if isinstance(m, GroupedExperts)]
     if experts and not cfg.experts:

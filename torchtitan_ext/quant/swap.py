@@ -28,11 +28,11 @@ def convert_model(model: nn.Module, cfg: JobConfig) -> list[str]:
         how = f"dynamic, factor {q.clamp_factor}" if q.clamp == "dynamic" else "static [-4, 4]"
         lines.append(f"quant: QAT int8 on {n} FFNs (middle clamp {how})")
     if cfg.float8.enabled:
-        convert_to_float8(model, cfg.float8, log=lines.append)
+        convert_to_float8(model, cfg.float8, emulate=cfg.float8.emulate, log=lines.append)
     if cfg.float8.experts:
-        swapped = convert_experts_to_float8(model)
+        swapped = convert_experts_to_float8(model, emulate=cfg.float8.emulate)
         lines.append(f"float8 experts: {len(swapped)} MoDE expert groups run float8 rowwise grouped GEMMs (token "
-                     f"groups padded to 16 rows)" if swapped else
+                     f"groups padded to 16 rows){' emulated' * cfg.float8.emulate}" if swapped else
                      "float8.experts = true: the model has no MoDE layers, nothing to convert")
         if swapped and cfg.training.compile:
             lines.append("float8 experts, compiled: the expert GEMMs run eagerly between the compiled graphs "

@@ -115,13 +115,30 @@ def test_errors_cpu_old_gpu_and_disabled(monkeypatch):
         f8.check_float8_supported(on, torch.device("cuda", 0))
 
 
-def test_error_without_torchao(monkeypatch):
+@needs_torchao
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
+def test_emulate_skips_the_device_checks(monkeypatch, recipe):
+    """float8.emulate: CPU and a GPU without FP8 tensor cores pass, the config checks still refuse."""
+    on = Float8Section(enabled=True, recipe=recipe, emulate=True)
+    f8.check_float8_supported(on, torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    f8.check_float8_supported(on, torch.device("cuda", 0))
+    with pytest.raises(ConfigError, match="float8.include_output = true and training.fused_linear_ce = true"):
+        f8.check_float8_supported(dataclasses.replace(on, include_output=True), torch.device("cpu"),
+                                  fused_linear_ce=True)
+
+
+@pytest.mark.parametrize("emulate", [False, True])
+def test_error_without_torchao(monkeypatch, emulate):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     for name in ("torchao", "torchao.float8"):
         monkeypatch.setitem(sys.modules, name, None)  # makes ``import torchao.float8`` raise ImportError
     with pytest.raises(ConfigError, match=r"needs torchao.*pip install -e '\.\[gpu\]'.*pip install "
                                           r"torchao"):
-        f8.check_float8_supported(Float8Section(enabled=True), torch.device("cuda", 0))
+        f8.check_float8_supported(Float8Section(enabled=True, emulate=emulate), torch.device("cuda", 0))
+    if emulate:  # no device check first: torchao is the one requirement left
+        with pytest.raises(ConfigError, match="needs torchao"):
+            f8.check_float8_supported(Float8Section(enabled=True, emulate=True), torch.device("cpu"))
     with pytest.raises(ConfigError, match="needs torchao"):
         f8.convert_to_float8(_meta(DEBUG), Float8Section(enabled=True))
 
@@ -141,15 +158,17 @@ def test_error_precompute_without_float8_all_gather():
         f8.check_float8_supported(cfg, torch.device("cpu"))
 
 
-def test_trainer_refuses_float8_on_cpu_in_one_line(tmp_path):
+@pytest.mark.parametrize("emulate", [[], ["--float8.emulate", "false"]], ids=["default", "emulate_false"])
+def test_trainer_refuses_float8_on_cpu_in_one_line(tmp_path, emulate):
     proc = subprocess.run(
         [sys.executable, "-m", "torchtitan_ext.train", "--config", "train_configs/debug.toml",
-         "--job.device", "cpu", "--job.dump_folder", str(tmp_path / "run"), "--float8.enabled", "true"],
+         "--job.device", "cpu", "--job.dump_folder", str(tmp_path / "run"), "--float8.enabled", "true", *emulate],
         cwd=REPO, capture_output=True, text=True, timeout=120,
         env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [ln for ln in proc.stderr.splitlines() if "float8" in ln]
-    assert len(lines) == 1 and "needs a CUDA GPU" in lines[0] and "Traceback" not in proc.stderr
+    assert lines == ["error: float8.enabled = true needs a CUDA GPU of compute capability >= 8.9 (H100, L40S, "
+                     "RTX 4090 ...); this job runs on cpu"] and "Traceback" not in proc.stderr
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -252,6 +252,26 @@ def test_convert_model_logs_what_it_swapped():
     assert "2 MoDE expert groups stay in bf16" in convert_model(_meta(), cfg)[-1]
 
 
+@needs_torchao
+@pytest.mark.parametrize("emulate", [False, True])
+def test_convert_model_passes_float8_emulate_through(emulate):
+    """``float8.emulate`` reaches every converted linear (torchao's config) and the float8 experts, and the log."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    from torchtitan_ext.quant.swap import convert_model
+
+    cfg = JobConfig()
+    cfg.float8 = Float8Section(enabled=True, min_dim=16, experts=True, emulate=emulate)
+    model = _meta()
+    lines = convert_model(model, cfg)
+    linears = [m for m in model.modules() if isinstance(m, Float8Linear)]
+    experts = [m for m in model.modules() if isinstance(m, f8e.Float8GroupedExperts)]
+    assert linears and experts
+    assert {m.config.emulate for m in linears} == {m.emulate for m in experts} == {emulate}
+    assert ("(emulated: high-precision GEMMs" in lines[0]) == emulate
+    assert lines[-1].endswith("emulated") == emulate
+
+
 # ----------------------------------------------------------------------------------------------------------
 # A MoDE layer: float8 vs high precision, and one graph under compile.
 
