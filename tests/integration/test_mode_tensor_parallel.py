@@ -3,9 +3,10 @@ MoDE parameters are sharded over data-parallel x TP ranks (replicated over dp_re
 EP the experts over ep x tp ranks. The per-step losses and gradient norms equal one process's (same seed, data
 and global batch).
 
-The Switch balancing loss is a product of per-group statistics, so it changes when a group of tokens is
-split; it is off here (the router z-loss, a mean over tokens, stays on). EP at the same data-parallel degree
-with the Switch loss on is covered in test_expert_parallel.py.
+The Switch balancing loss is a product of per-group statistics: over TP's sequence slices its load
+fractions are summed (parallel/sequence_balance.py), but data-parallel ranks each take their own batch's, so
+it is off here, where the layouts split the batch differently (the router z-loss, a mean over tokens, stays
+on). EP at the same data-parallel degree with the Switch loss on is covered in test_expert_parallel.py.
 """
 
 from __future__ import annotations
