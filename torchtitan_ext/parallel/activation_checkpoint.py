@@ -29,6 +29,9 @@ _SAVE_OPS = {
     torch.ops.aten._grouped_mm.default,  # MoDE experts on GPU
     torch.ops.aten._scaled_grouped_mm.default,  # MoDE experts in float8 (float8.experts)
     torch.ops._c10d_functional.reduce_scatter_tensor.default,  # TP's: no collective in the recomputation
+    # Whole-tensor maxima: float8's tensorwise amaxes (a scalar each) are kept, so the recomputation does not
+    # read every weight again to find its scale.
+    torch.ops.aten.max.default,
 }
 
 

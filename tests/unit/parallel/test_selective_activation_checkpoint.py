@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from tests.float8_utils import TORCHAO_ERROR
 from torchtitan_ext.models.args import ModelArgs
 from torchtitan_ext.models.decoder import Block, rope_tables
 from torchtitan_ext.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -58,3 +59,42 @@ def test_selective_ac_compiled_same_gradients_fewer_saved_bytes():
     expected = a.n_layers * (tokens * per_token * 8 + BATCH * a.n_heads * SEQ * 8)
     assert expected <= bytes_sac <= expected + a.n_layers * 8192, (bytes_sac, expected)  # + RoPE rows, RNG state
     assert bytes_none > 1.4 * bytes_sac, (bytes_none, bytes_sac)  # no AC also keeps norm outputs, q/k after RoPE
+
+
+@pytest.mark.skipif(TORCHAO_ERROR is not None, reason=str(TORCHAO_ERROR))
+def test_selective_ac_keeps_float8_amaxes(monkeypatch):
+    """An emulated float8 block under the op-level policy: the backward's recomputation takes no whole-tensor
+    maximum of its own (the forward's amaxes are kept); with them dropped from the kept ops it takes some."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from torchtitan_ext.config.job_config import Float8Section
+    from torchtitan_ext.parallel import activation_checkpoint as ac
+    from torchtitan_ext.quant.float8 import convert_to_float8
+
+    class CountMax(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls += func is torch.ops.aten.max.default
+            return func(*args, **(kwargs or {}))
+
+    def maxima_in_backward() -> int:
+        torch.manual_seed(0)
+        holder = nn.Module()
+        holder.layers = nn.ModuleDict({"0": Block(AC_ARGS, 0)})
+        convert_to_float8(holder, Float8Section(enabled=True, min_dim=16), emulate=True, log=lambda s: None)
+        apply_activation_checkpointing(holder, "selective", every=0)
+        cos, sin = rope_tables(AC_ARGS)
+        x = torch.randn(BATCH, SEQ, AC_ARGS.dim, requires_grad=True)
+        out = holder.layers["0"](x, (cos[None], sin[None]))[0]
+        counter = CountMax()
+        with counter:
+            out.square().mean().backward()
+        return counter.calls
+
+    kept = maxima_in_backward()
+    monkeypatch.setattr(ac, "_SAVE_OPS", ac._SAVE_OPS - {torch.ops.aten.max.default})
+    recomputed = maxima_in_backward()
+    assert recomputed > kept, (kept, recomputed)
