@@ -8,7 +8,7 @@ import pytest
 import torch
 from gpu_utils import poison_cuda_cache
 
-from torchtitan_ext.models.mode import grouped_mm
+from torchtitan_ext.models.mode import GroupedExperts, grouped_mm
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
@@ -51,3 +51,36 @@ def test_gpu_grouped_mm_matches_a_float64_loop(compiled):
         assert _relerr(y[rows], ref[rows]) < 1e-2, g
         assert _relerr(xb.grad[rows], x64.grad[rows]) < 1e-2, g
         assert _relerr(w.grad[g], w64.grad[g]) < 1e-2, g
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_gpu_experts_match_a_float64_loop(compiled):
+    """``GroupedExperts`` (w1 and w3 as one stacked GEMM) against a float64 SwiGLU per expert: output, input
+    gradient and the three weights' gradients, with an expert that receives no rows."""
+    counts = [600, 0, 1500, 37, 900, 11]
+    experts = GroupedExperts(len(counts), 256, 384).cuda()
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    with torch.no_grad():
+        for w in (experts.w1, experts.w2, experts.w3):
+            w.copy_(torch.randn(w.shape, device="cuda", generator=gen) * w.shape[-1] ** -0.5)
+    x = torch.randn(sum(counts), 256, device="cuda", generator=gen).bfloat16().requires_grad_()
+    grad = torch.randn(sum(counts), 256, device="cuda", generator=gen).bfloat16()
+    fn = torch.compile(experts, fullgraph=True) if compiled else experts
+    poison_cuda_cache()
+    y = fn(x, torch.tensor(counts, device="cuda"))
+    y.backward(grad)
+
+    x64 = x.detach().double().requires_grad_()
+    w1, w2, w3 = (w.detach().double().requires_grad_() for w in (experts.w1, experts.w2, experts.w3))
+    outs, start = [], 0
+    for g, n in enumerate(counts):
+        rows = x64[start:start + n]
+        outs.append((torch.nn.functional.silu(rows @ w1[g].t()) * (rows @ w3[g].t())) @ w2[g].t())
+        start += n
+    torch.cat(outs).backward(grad.double())
+    assert _relerr(y, torch.cat(outs).detach()) < 1e-2
+    assert _relerr(x.grad, x64.grad) < 1e-2
+    for got, ref in ((experts.w1, w1), (experts.w2, w2), (experts.w3, w3)):
+        assert got.grad.dtype == torch.float32 and got.grad.is_contiguous()
+        assert torch.count_nonzero(got.grad[1]) == 0  # the empty expert's rows
+        assert _relerr(got.grad, ref.grad) < 1e-2
