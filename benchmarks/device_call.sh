@@ -2,7 +2,7 @@
 # One call on a lent GPU machine: the steps given, in order, each within what is left of BUDGET seconds
 # (default 560). Run from the repository root with .whl/ carried (and .ttbench/ for torchtitan or the plain
 # script, .bench_previous/ for `--runs previous`: python benchmarks/run.py --prepare-previous REF). A step is
-# one argument, a word and its arguments:
+# one argument, a word and its arguments (split at spaces, no quoting):
 #   tests ARGS...      launch/test.sh ARGS (one pytest process), at most TEST_TIMEOUT s (default 200); log in
 #                      $OUT/tests-N.log
 #   micro SCRIPT ARGS  python3 SCRIPT ARGS (a benchmarks/micro/ script), at most MICRO_TIMEOUT s (default 200);
