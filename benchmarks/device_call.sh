@@ -7,9 +7,11 @@
 #                      $OUT/tests-N.log
 #   micro SCRIPT ARGS  python3 SCRIPT ARGS (a benchmarks/micro/ script), at most MICRO_TIMEOUT s (default 200);
 #                      its lines in $OUT/micro-N.jsonl
-#   profile SCENARIO [TREE]  12 steps of the scenario through the trainer of TREE (default: this one; e.g.
-#                      .bench_previous), steps 10-11 traced by [profiling] and tabled per kernel by
-#                      kernel_table.py: $OUT/k_SCENARIO[-TREE].txt / .json, $OUT/SCENARIO[-TREE].log
+#   profile SCENARIO [TREE [ARGS...]]  12 steps of the scenario through the trainer of TREE (default .: this
+#                      one; e.g. .bench_previous) with ARGS added, steps 10-11 traced by [profiling] and tabled
+#                      per kernel by kernel_table.py: $OUT/k_SCENARIO-N.txt / .json, $OUT/SCENARIO-N.log (N: the
+#                      step's number); with --profiling.with_stack true also the GPU's idle time by host frame
+#                      (trace_gaps.py): $OUT/gaps_SCENARIO-N.txt
 #   run ARGS...        python3 benchmarks/run.py ARGS (scenarios, --runs ...): $OUT/<scenario>.jsonl, logs-N.tar.gz
 # Usage: COMMIT=$(git rev-parse --short HEAD) benchmarks/device_call.sh 'tests -m gpu' \
 #            'profile mode_ep_rank' 'run mode_ep_rank --runs ours,previous'
@@ -49,14 +51,18 @@ for step in "$@"; do
                 python3 "${rest[@]}" > "$OUT/micro-$n.jsonl" 2> "$OUT/micro-$n.err"
             echo "step $n micro: exit $?"; cat "$OUT/micro-$n.jsonl"; tail -3 "$OUT/micro-$n.err" ;;
         profile)
-            name=${rest[0]}; tree=${rest[1]:-.}; tag=$name${rest[1]:+-${tree#.}}
+            name=${rest[0]}; tree=${rest[1]:-.}; tag=$name-$n
             read -r -a args <<< "$(scenario_args "$name")"
             (cd "$tree" && PYTHONPATH=$PWD:$PYTHONPATH timeout -k 5 "$(( $(left) - 10 ))" python3 -m torchtitan_ext.train \
                 "${args[@]}" --training.steps 12 --metrics.log_freq 2 \
                 --profiling.enabled true --profiling.start_step 10 --profiling.end_step 11 \
-                --job.dump_folder "/tmp/prof_$tag") > "$OUT/$tag.log" 2>&1
-            echo "step $n profile $tag: exit $?; $(grep -E 'step +1[01]' "$OUT/$tag.log" | tail -1)"
-            python3 benchmarks/kernel_table.py "/tmp/prof_$tag/profile" "$OUT/k_$tag" 2>&1 | tail -2 ;;
+                --job.dump_folder "/tmp/prof_$tag" "${rest[@]:2}") > "$OUT/$tag.log" 2>&1
+            echo "step $n profile $name ($tree ${rest[*]:2}): exit $?; $(grep -E 'step +1[01]' "$OUT/$tag.log" | tail -1)"
+            python3 benchmarks/kernel_table.py "/tmp/prof_$tag/profile" "$OUT/k_$tag" 2>&1 | tail -2
+            if [[ " ${rest[*]} " == *" --profiling.with_stack true "* ]]; then  # the GPU's idle time by host frame
+                python3 benchmarks/trace_gaps.py /tmp/prof_"$tag"/profile/rank0_*.json 20 > "$OUT/gaps_$tag.txt" 2>&1
+                head -16 "$OUT/gaps_$tag.txt"
+            fi ;;
         run)
             OUT=$OUT python3 benchmarks/run.py "${rest[@]}" "${record[@]}" --deadline "$(left)"
             [ -f "$OUT/logs.tar.gz" ] && mv "$OUT/logs.tar.gz" "$OUT/logs-$n.tar.gz" ;;
