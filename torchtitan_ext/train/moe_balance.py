@@ -41,27 +41,36 @@ def balance_experts(parts: list[nn.Module], group: dist.ProcessGroup | None, rep
         layer.load.zero_()
     if not report:
         return metrics
-    domain_loads = torch.stack([layer.domain_load for _, layer in layers])
+    domain_loads = torch.stack([layer.domain_load for _, layer in layers]).double()  # (layers, domains, experts)
     if group is not None:
         dist.all_reduce(domain_loads, group=group)
-    aux, z = [], []
-    for (name, layer), load, domain_load in zip(layers, loads.double(), domain_loads, strict=True):
-        metrics[f"moe/{name}/imbalance"] = (load.max() / load.mean().clamp(min=1)).item()
-        metrics[f"moe/{name}/min_share"] = (load.min() / load.sum().clamp(min=1)).item()
-        if layer.last_aux_loss is not None:
-            aux.append(layer.last_aux_loss)
-            z.append(layer.last_z_loss)
-        layer.domain_load.zero_()
-        for d in torch.nonzero(domain_load.sum(dim=1)).flatten().tolist():
-            share = domain_load[d].double() / domain_load[d].sum()
-            metrics[f"moe/{name}/domain{d}_top_expert_share"] = share.max().item()
-            metrics[f"moe/{name}/domain{d}_top_expert"] = float(share.argmax())
-    if aux:
+    aux = [layer.last_aux_loss for _, layer in layers if layer.last_aux_loss is not None]
+    z = [layer.last_z_loss for _, layer in layers if layer.last_z_loss is not None]
+    losses = torch.stack([torch.stack(aux), torch.stack(z)]).double() if aux else loads.new_zeros(2, 0).double()
+    if aux and group is not None:
         # Each rank's losses are its share of its sequences' (``MoDE.balancing_loss``): their mean over the
         # group is the whole sequences' (averaged over the data-parallel ranks' batches).
-        losses = torch.stack([torch.stack(aux), torch.stack(z)]).double()
-        if group is not None:
-            dist.all_reduce(losses, group=group)
-            losses /= dist.get_world_size(group)
-        metrics["moe/aux_loss"], metrics["moe/router_z_loss"] = losses.mean(dim=1).tolist()
+        dist.all_reduce(losses, group=group)
+        losses /= dist.get_world_size(group)
+    for _, layer in layers:
+        layer.domain_load.zero_()
+    loads = loads.double()
+    domain_tokens = domain_loads.sum(dim=-1)
+    top_share, top_expert = (domain_loads / domain_tokens.clamp(min=1).unsqueeze(-1)).max(dim=-1)
+    # Everything in one device-to-host transfer: a read per value would wait on the device each time.
+    values = torch.cat([loads.max(dim=1).values / loads.mean(dim=1).clamp(min=1),
+                        loads.min(dim=1).values / loads.sum(dim=1).clamp(min=1),
+                        domain_tokens.flatten(), top_share.flatten(), top_expert.flatten().double(),
+                        losses.mean(dim=1)]).tolist()
+    n, d = len(layers), domain_tokens.shape[1]
+    imbalance, min_share = values[:n], values[n:2 * n]
+    tokens, share, expert = (values[2 * n + i * n * d:2 * n + (i + 1) * n * d] for i in range(3))
+    for i, (name, _) in enumerate(layers):
+        metrics[f"moe/{name}/imbalance"], metrics[f"moe/{name}/min_share"] = imbalance[i], min_share[i]
+        for dom in range(d):
+            if tokens[i * d + dom] > 0:
+                metrics[f"moe/{name}/domain{dom}_top_expert_share"] = share[i * d + dom]
+                metrics[f"moe/{name}/domain{dom}_top_expert"] = expert[i * d + dom]
+    if aux:
+        metrics["moe/aux_loss"], metrics["moe/router_z_loss"] = values[-2:]
     return metrics

@@ -67,10 +67,12 @@ class TrainingDiverged(RunStopped):
 
 
 class QueuedStep(NamedTuple):
-    """A step handed to the device: its scalars stay there until ``Trainer.settle`` reads them."""
+    """A step handed to the device. Its loss and gradient norm travel into ``scalars`` (host memory on a GPU)
+    behind the step's own work, and ``ready`` is recorded after that copy: ``Trainer.settle`` then waits for
+    this step alone, not for the steps queued after it (a read of the device tensors would)."""
     step: int
-    loss: torch.Tensor
-    grad_norm: torch.Tensor
+    scalars: torch.Tensor
+    ready: torch.cuda.Event | None
     lr: float
 
 
@@ -329,7 +331,9 @@ class Trainer:
     def settle(self, queued: QueuedStep) -> tuple[float, float, float]:
         """Read a queued step's loss and gradient norm on the host (one transfer), count a skipped update,
         stop on a diverged loss, and feed the spike guard; returns (loss, gradient norm, lr)."""
-        loss, norm = torch.stack([queued.loss.float(), queued.grad_norm.float()]).tolist()
+        if queued.ready is not None:
+            queued.ready.synchronize()
+        loss, norm = queued.scalars.tolist()
         self.nonfinite.record(queued.step, norm)
         if not math.isfinite(loss):
             raise TrainingDiverged(
@@ -389,7 +393,12 @@ class Trainer:
         loss = loss_sum / self.accum_steps
         if self.loss_group is not None:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.loss_group)
-        return QueuedStep(self.step, loss, norm, lr)
+        scalars, ready = torch.stack([loss.float(), norm.float()]), None
+        if self.device.type == "cuda":
+            scalars = scalars.to("cpu", non_blocking=True)  # into pinned memory, queued behind this step
+            ready = torch.cuda.Event()
+            ready.record()
+        return QueuedStep(self.step, scalars, ready, lr)
 
     def _local_part(self, inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict
                     ) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -526,7 +535,7 @@ class Trainer:
             moe_metrics = balance_experts(self.model_parts, self.moe_group, report=log_now) if self.has_moe else {}
             if log_now:
                 moe_metrics.update(self._placement_metrics)
-            if unread is not None:  # the previous step: finished on the device by now
+            if unread is not None:  # the previous step: waits for that step's work alone
                 self.settle(unread)
                 unread = None
             preempted = self.preemption.requested()

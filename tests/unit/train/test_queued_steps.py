@@ -50,3 +50,28 @@ def test_device_clip_and_skip_equal_the_host_path(tmp_path):
         assert d_norm == pytest.approx(h_norm, rel=1e-5) or d_norm != d_norm and h_norm != h_norm
     for d, h in zip(device_path[1], host_path[1], strict=True):
         torch.testing.assert_close(d, h, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_settling_a_step_does_not_wait_for_the_work_queued_after_it(tmp_path):
+    """The one-step-late read waits for its own step only: with half a second of GPU work queued after step
+    1, settling step 1 returns while that work still runs, with the loss and norm a direct read gives."""
+    cfg = parse_args([*TINY, "--job.dump_folder", str(tmp_path)])
+    os.environ.pop("RANK", None)
+    trainer = Trainer(cfg)
+    try:
+        trainer.step = 1
+        queued = trainer.queue_step()
+        torch.cuda.synchronize()
+        expected = queued.scalars.tolist()
+        trainer.step = 2
+        second = trainer.queue_step()
+        torch.cuda._sleep(2_000_000_000)  # about a second of one thread spinning, behind step 2
+        loss, norm, _ = trainer.settle(queued)
+        assert not torch.cuda.current_stream().query(), "settle waited for the work queued after its step"
+        assert [loss, norm] == expected
+        assert trainer.settle(second)[0] > 0
+    finally:
+        trainer.metrics.close()
+        dist.destroy_process_group()
