@@ -8,9 +8,12 @@ import argparse
 import logging
 import math
 import os
+import signal
 import sys
+import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NoReturn
 
@@ -181,12 +184,36 @@ def refusal(e: UserError | OSError | argparse.ArgumentError | RunStopped) -> tup
     return f"error: {e}", EXIT_STOPPED if isinstance(e, RunStopped) else EXIT_USER
 
 
+@contextmanager
+def sigint_raises() -> Iterator[None]:
+    """Within it, SIGINT (Ctrl-C, ``kill -INT``) raises ``KeyboardInterrupt``, however the process was started.
+    Python installs that handler at start-up only when SIGINT's action is the default; a process started with
+    SIGINT ignored keeps ignoring it (the action is inherited across fork and exec): a background job of a
+    non-interactive shell (``cmd &`` in a script, or in a CI job), or the child of a parent that ignored it.
+    Such a tool would run through an interrupt to the end. A Python handler already in place (a caller's, a
+    test's) is left alone; the previous action is put back on leaving."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) not in (signal.SIG_IGN, signal.SIG_DFL)):
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def run_tool(main: Callable[[list[str]], int | None], argv: list[str] | None = None) -> int:
-    """Run ``main(argv)``; a user mistake is one line and exit code 2, a run that stopped itself one line and
-    exit code 3; the process group, if one was started, is destroyed. An unexpected exception on a rank of a
-    multi-process job prints its traceback and ends the process at once (exit code 1). torch is not imported
-    here: a tool imports it after checking its arguments."""
-    argv = sys.argv[1:] if argv is None else argv
+    """Run ``main(argv)`` with SIGINT raising ``KeyboardInterrupt`` (:func:`sigint_raises`); a user mistake is
+    one line and exit code 2, a run that stopped itself one line and exit code 3, an interrupt the tool did not
+    take over one line and exit code 130; the process group, if one was started, is destroyed. An unexpected
+    exception on a rank of a multi-process job prints its traceback and ends the process at once (exit code
+    1). torch is not imported here: a tool imports it after checking its arguments."""
+    with sigint_raises():
+        return _run_tool(main, sys.argv[1:] if argv is None else argv)
+
+
+def _run_tool(main: Callable[[list[str]], int | None], argv: list[str]) -> int:
     try:
         _launch_env()  # WORLD_SIZE=abc: one line naming it, before any tool reads it
         if not logging.getLogger("torchtitan_ext").handlers:

@@ -3,7 +3,8 @@ checkpoint saved with its checksums, exit 0, no traceback); a second Ctrl-C stop
 leaves no partial ``step-N.tmp``; an interrupt while a resume loads its checkpoint ends the job (nothing written)
 and is never taken for damage: the good step is neither reported unreadable nor moved aside. Each test asserts
 the line, the exit code and that every earlier file is unchanged (checksums); the signals are real ones, sent
-to a real one-process CPU run (from outside it, or from within it where two must arrive as two)."""
+to a real one-process CPU run (from outside it, or from within it where two must arrive as two). A tool started
+with SIGINT ignored (a background job of a script) still stops on Ctrl-C; a caller's own handler is kept."""
 
 from __future__ import annotations
 
@@ -170,3 +171,49 @@ def test_an_in_process_run_puts_the_signal_handlers_back(tmp_path, capsys):
     assert signal.getsignal(signal.SIGTERM) is callers
     assert signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN
     assert signal.getsignal(signal.SIGINT) is before_int
+
+
+def _interrupted_work(*args, **kwargs) -> int:
+    """A tool's work that Ctrl-C reaches (a real SIGINT to this process); 0 when the signal did nothing."""
+    os.kill(os.getpid(), signal.SIGINT)
+    for _ in range(200):
+        time.sleep(0.01)
+    return 0
+
+
+def _must_be_interrupted(*args, **kwargs) -> int:
+    _interrupted_work()
+    raise AssertionError("the SIGINT was lost: the work ran to its end")
+
+
+@pytest.mark.parametrize("entry", ["run_tool", "launch"])
+def test_a_tool_started_with_sigint_ignored_still_stops_on_ctrl_c(capsys, monkeypatch, entry):
+    """A process started with SIGINT ignored (a background job of a script, ``cmd &``) inherits SIG_IGN, and
+    Python then installs no ``KeyboardInterrupt`` handler: every tool ran through a Ctrl-C to the end. The entry
+    points take SIGINT over while they run: one line, exit 130, and SIG_IGN is put back afterwards."""
+    from torchtitan_ext import cli
+    from torchtitan_ext.tools import launch
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if entry == "run_tool":
+        code = cli.run_tool(_must_be_interrupted, [])
+    else:  # the launcher's check of the job, before it hands the signal to the workers
+        monkeypatch.setattr(launch, "preflight", _must_be_interrupted)
+        code = launch.main(["--config", "unused.toml"])
+    assert code == EXIT_INTERRUPTED
+    assert capsys.readouterr().err.splitlines() == ["error: interrupted (SIGINT): stopped at once"]
+    assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+
+
+def test_a_callers_sigint_handler_is_left_in_place(capsys):
+    """A tool called in process with a handler of the caller's in place: the caller's handler gets the signal."""
+    from torchtitan_ext import cli
+
+    received = []
+
+    def callers(signum, frame):
+        received.append(signum)
+
+    signal.signal(signal.SIGINT, callers)
+    assert cli.run_tool(_interrupted_work, []) == 0
+    assert received == [signal.SIGINT] and signal.getsignal(signal.SIGINT) is callers

@@ -2,7 +2,8 @@
 naming the file (a cut ``.zst`` used to prepare 0 documents with exit 0); options that leave the training or the
 validation split empty are refused with the counts; a real Ctrl-C to a real run with workers stops with one line
 and exit 130 (no ``BrokenPipe`` traceback from the workers), leaves no partial shard and a rerun completes it; a
-really full filesystem (a 1 MiB tmpfs) names the shard and ENOSPC. Each test asserts the line, the exit code and
+really full filesystem (a 1 MiB tmpfs) names the shard and ENOSPC. A run started with SIGINT ignored
+(a background job of a script) still stops on one. Each test asserts the line, the exit code and
 that what existed before is unchanged (checksums) with no partial file left."""
 
 from __future__ import annotations
@@ -136,7 +137,6 @@ def test_options_that_empty_a_split_are_refused(tmp_path, capsys):
     assert not (tmp_path / "t").exists()
 
 
-@pytest.mark.slow  # timing-sensitive on a loaded CI machine: the interrupt can land as the run exits
 def test_ctrl_c_with_workers_stops_cleanly_and_a_rerun_completes(tmp_path, capsys):
     """A real SIGINT to the process group of a real ``python -m torchtitan_ext.data.prepare --workers 2`` once
     its first shard is written (a terminal's Ctrl-C reaches the workers too): one line, exit 130, no traceback
@@ -177,6 +177,48 @@ def test_ctrl_c_with_workers_stops_cleanly_and_a_rerun_completes(tmp_path, capsy
     ref, got = _shards(tmp_path / "ref"), _shards(out)
     assert len(ref) > len(interrupted) and list(ref) == list(got)
     assert all(np.array_equal(ref[k], got[k]) for k in ref)
+
+
+def test_ctrl_c_stops_a_run_started_with_sigint_ignored(tmp_path):
+    """A parent that ignores SIGINT (a non-interactive shell's background job, ``cmd &``) passes SIG_IGN to its
+    child across exec, and Python then installs no ``KeyboardInterrupt`` handler: the run went on through the
+    interrupt and exited 0. The input is a FIFO the test keeps open, so the run is waiting for more text when
+    the signal comes, however loaded the machine: one line, exit 130, the whole shards kept."""
+    fifo = tmp_path / "a.jsonl"
+    os.mkfifo(fifo)
+    writer = os.open(fifo, os.O_RDWR)  # open both ends: neither this open nor the child's waits for the other
+    out = tmp_path / "out"
+    ignored = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "torchtitan_ext.data.prepare", "--input", str(fifo),
+                                 "--output-dir", str(out), "--shard-tokens", "1000", "--chunk-docs", "1"], cwd=REPO,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGINT, ignored)
+    try:
+        os.write(writer, _jsonl(10))  # 4,174 byte tokens: 4 whole shards, then the run waits for more
+        deadline = time.monotonic() + 120
+        while not (out / STATE).exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert proc.poll() is None, f"the run ended before the interrupt: {proc.communicate()}"
+        proc.send_signal(signal.SIGINT)
+        try:
+            stdout, stderr = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # the interrupt was ignored: the end of the input lets the run finish
+            os.close(writer)
+            writer = None
+            stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if writer is not None:
+            os.close(writer)
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == EXIT_INTERRUPTED, stderr[-3000:]
+    assert [line for line in stderr.splitlines() if not line.startswith("prepare: ")] == [
+        f"error: interrupted (SIGINT): stopped; the whole shards written so far are kept in {out}: run the same "
+        "command again to resume"]
+    assert not list(out.glob("*.tmp")) and 1 <= len(_shards(out)) <= 4
 
 
 @pytest.fixture

@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 from types import FrameType
 
-from torchtitan_ext.cli import refusal
+from torchtitan_ext.cli import refusal, sigint_raises
 from torchtitan_ext.config.job_config import JobConfig
 from torchtitan_ext.errors import (
     EXIT_INTERRUPTED,
@@ -204,12 +204,17 @@ def run_workers(torchrun_argv: list[str], trainer_argv: list[str], dump_folder: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Check the job, then run its workers; the exit code."""
+    """Check the job, then run its workers; the exit code. Ctrl-C during the check is one line and exit code
+    130 however this process was started (``cli.sigint_raises``); then the signal is the workers'."""
+    with sigint_raises():
+        return _check_and_run(sys.argv[1:] if argv is None else argv)
+
+
+def _check_and_run(argv: list[str]) -> int:
     from torchtitan_ext.cli import setup_logging
     from torchtitan_ext.config.loader import help_text
     from torchtitan_ext.tools.train import default_job
 
-    argv = sys.argv[1:] if argv is None else argv
     torchrun_argv, trainer_argv = split_argv(argv)
     if argv in (["-h"], ["--help"]) or {"-h", "--help"} & set(torchrun_argv):
         print(USAGE)
