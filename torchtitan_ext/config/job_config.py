@@ -113,8 +113,6 @@ class TrainingSection:
     mixed_precision_reduce: str = opt("float32", "gradient reduction dtype",
                                       choices=("bfloat16", "float32"))
     compile: bool = opt(False, "torch.compile each transformer block")
-    cuda_graphs: bool = opt(False, "compiled blocks replay as CUDA graphs (torch.compile's reduce-overhead "
-                            "mode): one launch per graph instead of one per kernel (GPU, compile)")
     attention_backend: str = opt("auto", "SDPA kernel on GPU: auto (cuDNN first on Hopper), cudnn, flash, "
                                  "efficient, math, or torch (PyTorch's own choice)",
                                  choices=("auto", "cudnn", "flash", "efficient", "math", "torch"))

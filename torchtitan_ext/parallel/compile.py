@@ -9,7 +9,7 @@ from torchtitan_ext.models.mode import MoDE
 
 
 def apply_compile(model: nn.Module, experts_in_graph: bool, tensor_parallel: bool, compile_head: bool = False,
-                  eager_attention: bool = False, cuda_graphs: bool = False) -> None:
+                  eager_attention: bool = False) -> None:
     """Compile each block as one graph (``fullgraph``), except MoDE blocks when ``experts_in_graph`` is
     false: their experts run eagerly between compiled graphs (see ``_compile_around_experts``).
 
@@ -39,8 +39,7 @@ def apply_compile(model: nn.Module, experts_in_graph: bool, tensor_parallel: boo
             if eager_attention:
                 inner.attention.forward = torch.compiler.disable(inner.attention.forward)
                 inner.attention.norm_and_rotate = torch.compile(inner.attention.norm_and_rotate, fullgraph=True)
-            model.layers[name] = torch.compile(block, fullgraph=not eager_attention,
-                                               mode="reduce-overhead" if cuda_graphs else None)
+            model.layers[name] = torch.compile(block, fullgraph=not eager_attention)
     if compile_head and getattr(model, "output", None) is not None:
         model.output.compile(fullgraph=True)
 

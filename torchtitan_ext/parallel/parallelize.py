@@ -48,8 +48,7 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, cfg: JobConfig, on
         in_graph = on_gpu and not moe_fsdp_units and not cfg.float8.experts
         apply_compile(model, experts_in_graph=in_graph, tensor_parallel=dims.tp > 1,
                       compile_head=cfg.float8.enabled and cfg.float8.include_output,
-                      eager_attention=dims.cp > 1 and cfg.parallelism.cp_scheme == "ring",
-                      cuda_graphs=on_gpu and cfg.training.cuda_graphs)
+                      eager_attention=dims.cp > 1 and cfg.parallelism.cp_scheme == "ring")
         if dims.tp > 1 and model.tok_embeddings is not None:
             log.info("compile: under TP the embedding's reduce-scatter completes before the first compiled block "
                   "(a compiled graph loses the gradient of an in-flight one)")

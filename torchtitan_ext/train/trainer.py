@@ -376,9 +376,6 @@ class Trainer:
             if self.has_moe and self.pp_schedule is None:
                 set_token_domains(self.model_parts, self._to_device(batch.domains))
             inputs, labels, model_kwargs = self._local_part(inputs, labels, self.attn.model_kwargs(batch, self.device))
-            if self.cfg.training.cuda_graphs and self.device.type == "cuda":
-                # The graphs' outputs of the last micro-batch are read no more: their memory may be replayed into.
-                torch.compiler.cudagraph_mark_step_begin()
             loss_sum += self.forward_backward(inputs, labels, micro == self.accum_steps - 1, model_kwargs)
         if self.compression is not None and self.compression.after_backward is not None:
             self.compression.after_backward()
