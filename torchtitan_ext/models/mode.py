@@ -174,11 +174,8 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         ends = counts.cumsum(0)
         w1, w2, w3 = self.local_weights()
-        # w1 and w3 as one GEMM of twice the width: one pass over x, and in the backward one input-gradient
-        # GEMM with the two partial sums added inside it. The stacked copy is the bf16 cast the GEMM needs
-        # anyway, written into one buffer.
-        h1, h3 = grouped_mm(x, torch.cat([w1, w3], dim=1), ends).chunk(2, dim=-1)
-        return grouped_mm(F.silu(h1) * h3, w2, ends)
+        h = F.silu(grouped_mm(x, w1, ends)) * grouped_mm(x, w3, ends)
+        return grouped_mm(h, w2, ends)
 
 
 class RoutedCounts(nn.Module):

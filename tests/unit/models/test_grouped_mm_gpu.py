@@ -55,8 +55,8 @@ def test_gpu_grouped_mm_matches_a_float64_loop(compiled):
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_gpu_experts_match_a_float64_loop(compiled):
-    """``GroupedExperts`` (w1 and w3 as one stacked GEMM) against a float64 SwiGLU per expert: output, input
-    gradient and the three weights' gradients, with an expert that receives no rows."""
+    """``GroupedExperts`` against a float64 SwiGLU per expert: output, input gradient and the three weights'
+    gradients, with an expert that receives no rows."""
     counts = [600, 0, 1500, 37, 900, 11]
     experts = GroupedExperts(len(counts), 256, 384).cuda()
     gen = torch.Generator(device="cuda").manual_seed(1)
