@@ -79,3 +79,18 @@ def test_a_peer_that_never_comes_is_one_line_naming_the_rendezvous(tmp_path, no_
     assert "1/2 clients joined; check that every process was started with the same MASTER_ADDR, MASTER_PORT " \
            "and WORLD_SIZE and can reach that address" in reason, lines[0]
     assert seconds < 120, seconds  # the knob's 3 s, not the process group's 30 minutes
+
+
+def test_a_rank_whose_store_never_answers_is_one_line_without_native_frames(tmp_path, no_launcher):
+    """Rank 1 of a world of 2 whose rank 0 never starts: the C++ store's connect and retry logs (native stacks
+    of some forty frames each) do not reach the terminal, only the one line naming the rendezvous."""
+    port = free_port()
+    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "TORCHTITAN_EXT_RENDEZVOUS_TIMEOUT_S": "2", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torchtitan_ext.train", *TINY, "--job.dump_folder",
+                           str(tmp_path / "run")], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == EXIT_USER, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith(f"error: rendezvous at 127.0.0.1:{port} (rank 1 of WORLD_SIZE=2) failed within 2 s"), \
+        lines[0]

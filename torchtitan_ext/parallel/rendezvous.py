@@ -6,8 +6,12 @@ within the timeout. ``TORCHTITAN_EXT_RENDEZVOUS_TIMEOUT_S`` (seconds, default th
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import sys
+import tempfile
+from collections.abc import Iterator
 
 from torchtitan_ext.errors import UserError
 
@@ -62,9 +66,38 @@ def join(default_timeout_seconds: float):
                                "one-process run)")
     seconds = rendezvous_timeout(default_timeout_seconds)
     try:
-        return next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=seconds)))
+        with _native_stderr_held():
+            return next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=seconds)))
     except dist.DistError as e:
         reason = str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else type(e).__name__
         raise RendezvousFailed(f"rendezvous at {addr}:{port} ({where}) failed within {seconds:g} s "
                                f"({RENDEZVOUS_TIMEOUT_ENV}): {reason}; check that every process was started with "
                                "the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE and can reach that address") from None
+
+
+@contextlib.contextmanager
+def _native_stderr_held() -> Iterator[None]:
+    """File descriptor 2 into a temporary file while the block runs. The C++ store logs each failed connect
+    and its retry there, each with a native stack of some forty frames: written out on the real stderr when
+    the block ends normally, dropped when it raises (the error's one line says what happened)."""
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no stderr to hold
+        yield
+        return
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        ended_normally = False
+        try:
+            yield
+            ended_normally = True
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            if ended_normally:
+                held.seek(0)
+                kept = held.read()
+                while kept:
+                    kept = kept[os.write(2, kept):]
