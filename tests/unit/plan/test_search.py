@@ -235,3 +235,17 @@ def test_cli_search_budget_line(capsys):
     assert main([*DENSE_1B, "--gpus", "8", "--search", "--search-seconds", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "--search-seconds: expected a finite number > 0" in err[0]
+
+
+def test_emulated_float8_is_planned_at_bf16_speed():
+    """``float8.emulate`` runs high-precision GEMMs: the planner gives it no float8 speedup; real float8 gets one."""
+    base = ["--model.flavor", "llama3_8b", "--data.tokenizer", "byte", "--training.seq_len", "8192",
+            "--training.local_batch_size", "1", "--parallelism.dp_shard", "4"]
+    float8 = ["--float8.enabled", "true", "--float8.recipe", "tensorwise"]
+
+    def compute(extra: list[str]) -> float:
+        cfg = parse_args([*base, *extra])
+        return step_time(cfg, plan(cfg, 4), Hardware()).compute
+
+    assert compute([*float8, "--float8.emulate", "true"]) == pytest.approx(compute([]))
+    assert compute(float8) < 0.9 * compute([])
