@@ -6,7 +6,8 @@ and global batch).
 The Switch balancing loss is a product of per-group statistics: over TP's sequence slices its load
 fractions are summed (parallel/sequence_balance.py), but data-parallel ranks each take their own batch's, so
 it is off here, where the layouts split the batch differently (the router z-loss, a mean over tokens, stays
-on). EP at the same data-parallel degree with the Switch loss on is covered in test_expert_parallel.py.
+on), but for TP 2 alone, which takes one process's batch. EP at the same data-parallel degree with the
+Switch loss on is covered in test_expert_parallel.py.
 """
 
 from __future__ import annotations
@@ -75,6 +76,21 @@ def test_compiled_mode_under_tp_matches_one_process(reference, tmp_path, monkeyp
     for run in runs:
         run_trainer(tmp_path / run, nproc, *MODE, *overrides, "--training.compile", "true")
         _assert_matches_reference(reference, read_metrics(tmp_path / run))
+
+
+@pytest.mark.slow
+def test_tp2_with_the_switch_loss_matches_one_process(tmp_path):
+    """TP 2 on one data-parallel rank takes the whole batch, as one process does: with the Switch balancing loss
+    on (its load fractions summed over the two sequence slices) the losses and gradient norms equal one
+    process's."""
+    switch = ["--model.aux_loss_coef", "0.1"]
+    run_trainer(tmp_path / "one", 0, *MODE, *switch, "--training.local_batch_size", "4")
+    run_trainer(tmp_path / "tp2", LAYOUTS["tp2"][0], *MODE, *switch, *LAYOUTS["tp2"][1])
+    reference, got = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "tp2")
+    _assert_matches_reference(reference, got)
+    assert all(r["moe/aux_loss"] > 0 for r in reference)
+    for r, g in zip(reference, got, strict=True):
+        assert g["moe/aux_loss"] == pytest.approx(r["moe/aux_loss"], rel=RTOL)
 
 
 def test_experts_must_divide_over_ep_and_tp(tmp_path):
