@@ -26,13 +26,13 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PYTHONPATH
 record=(); [ -n "${COMMIT:-}" ] && record=(--commit "$COMMIT")
 results=$OUT; OUT=$(mktemp -d)
 
-scenario_args() {  # the trainer's arguments of scenario $1, as benchmarks/run.py builds them
+scenario_args() {  # the trainer's arguments of scenario $1, from benchmarks/run.py's own reading of it
     python3 -c "
-import sys, tomllib
-s = tomllib.load(open('benchmarks/scenarios.toml', 'rb'))
-d, c = s['defaults'], s['scenario'][sys.argv[1]]
-print(' '.join(['--config', c.get('config', d['config']), d['trainer_args'], c['args'],
-                '--training.local_batch_size', str(c['batch']), '--training.seq_len', str(c['seq'])]))" "$1"
+import sys
+sys.path.insert(0, 'benchmarks')
+from run import load_scenarios
+s = load_scenarios()[sys.argv[1]]
+print(' '.join(s.trainer_args(s.config)))" "$1"  # words without spaces: read -a splits them
 }
 
 n=0
