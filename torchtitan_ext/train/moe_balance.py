@@ -44,10 +44,11 @@ def balance_experts(parts: list[nn.Module], group: dist.ProcessGroup | None, rep
     domain_loads = torch.stack([layer.domain_load for _, layer in layers]).double()  # (layers, domains, experts)
     if group is not None:
         dist.all_reduce(domain_loads, group=group)
-    aux = [layer.last_aux_loss for _, layer in layers if layer.last_aux_loss is not None]
-    z = [layer.last_z_loss for _, layer in layers if layer.last_z_loss is not None]
-    losses = torch.stack([torch.stack(aux), torch.stack(z)]).double() if aux else loads.new_zeros(2, 0).double()
-    if aux and group is not None:
+    with_losses = [layer for _, layer in layers if layer.last_aux_loss is not None]
+    losses = torch.stack([torch.stack([layer.last_aux_loss for layer in with_losses]),
+                          torch.stack([layer.last_z_loss for layer in with_losses])]).double() \
+        if with_losses else loads.new_zeros(2, 0).double()
+    if with_losses and group is not None:
         # Each rank's losses are its share of its sequences' (``MoDE.balancing_loss``): their mean over the
         # group is the whole sequences' (averaged over the data-parallel ranks' batches).
         dist.all_reduce(losses, group=group)
@@ -55,22 +56,21 @@ def balance_experts(parts: list[nn.Module], group: dist.ProcessGroup | None, rep
     for _, layer in layers:
         layer.domain_load.zero_()
     loads = loads.double()
-    domain_tokens = domain_loads.sum(dim=-1)
+    domain_tokens = domain_loads.sum(dim=-1)  # (layers, domains)
     top_share, top_expert = (domain_loads / domain_tokens.clamp(min=1).unsqueeze(-1)).max(dim=-1)
+    parts = [loads.max(dim=1).values / loads.mean(dim=1).clamp(min=1),
+             loads.min(dim=1).values / loads.sum(dim=1).clamp(min=1),
+             domain_tokens, top_share, top_expert.double(), losses.mean(dim=1)]
     # Everything in one device-to-host transfer: a read per value would wait on the device each time.
-    values = torch.cat([loads.max(dim=1).values / loads.mean(dim=1).clamp(min=1),
-                        loads.min(dim=1).values / loads.sum(dim=1).clamp(min=1),
-                        domain_tokens.flatten(), top_share.flatten(), top_expert.flatten().double(),
-                        losses.mean(dim=1)]).tolist()
-    n, d = len(layers), domain_tokens.shape[1]
-    imbalance, min_share = values[:n], values[n:2 * n]
-    tokens, share, expert = (values[2 * n + i * n * d:2 * n + (i + 1) * n * d] for i in range(3))
+    host = torch.cat([p.flatten() for p in parts]).cpu().split([p.numel() for p in parts])
+    imbalance, min_share, tokens, share, expert, mean_losses = (
+        h.view_as(p).tolist() for h, p in zip(host, parts, strict=True))
     for i, (name, _) in enumerate(layers):
         metrics[f"moe/{name}/imbalance"], metrics[f"moe/{name}/min_share"] = imbalance[i], min_share[i]
-        for dom in range(d):
-            if tokens[i * d + dom] > 0:
-                metrics[f"moe/{name}/domain{dom}_top_expert_share"] = share[i * d + dom]
-                metrics[f"moe/{name}/domain{dom}_top_expert"] = expert[i * d + dom]
-    if aux:
-        metrics["moe/aux_loss"], metrics["moe/router_z_loss"] = values[-2:]
+        for dom, count in enumerate(tokens[i]):
+            if count > 0:
+                metrics[f"moe/{name}/domain{dom}_top_expert_share"] = share[i][dom]
+                metrics[f"moe/{name}/domain{dom}_top_expert"] = expert[i][dom]
+    if with_losses:
+        metrics["moe/aux_loss"], metrics["moe/router_z_loss"] = mean_losses
     return metrics
