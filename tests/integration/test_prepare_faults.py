@@ -143,8 +143,8 @@ def test_ctrl_c_with_workers_stops_cleanly_and_a_rerun_completes(tmp_path, capsy
     from any process, no partial shard; the same command again resumes and ends identical to an uninterrupted
     preparation."""
     src = tmp_path / "a.jsonl"
-    # Long enough (about 130 shards) that the interrupt, sent once the first shard is written, arrives before
-    # the end on a loaded machine: one arriving as the process exits would find nothing left to stop.
+    # Long enough (about 130 shards) that the run is still writing when the interrupt, sent once the first
+    # shard is written, arrives, on a loaded machine too.
     src.write_bytes(_jsonl(6000))
     out = tmp_path / "out"
     args = ["--input", str(src), "--shard-tokens", "20000", "--chunk-docs", "16", "--filters", "heuristics,minhash"]
