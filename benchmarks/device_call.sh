@@ -18,6 +18,7 @@
 # COMMIT is what the results record: the device's copy of the tree has no git history of its own. Every file
 # named above lands in a scratch folder that $OUT/call.tar.gz holds after each step (the machine returns a
 # few files only, and a call cut by its limit keeps what the steps before wrote).
+case ${1:-} in -h|--help) sed -n '2,20p' "$0"; exit 0 ;; esac
 set -u
 start=$(date +%s)
 left() { echo $(( ${BUDGET:-560} - ($(date +%s) - start) )); }
@@ -31,7 +32,10 @@ scenario_args() {  # the trainer's arguments of scenario $1, from benchmarks/run
 import sys
 sys.path.insert(0, 'benchmarks')
 from run import load_scenarios
-s = load_scenarios()[sys.argv[1]]
+scenarios = load_scenarios()
+if sys.argv[1] not in scenarios:
+    sys.exit(f'device_call.sh: profile: no scenario {sys.argv[1]!r} in benchmarks/scenarios.toml')
+s = scenarios[sys.argv[1]]
 print(' '.join(s.trainer_args(s.config)))" "$1"  # words without spaces: read -a splits them
 }
 
@@ -51,8 +55,9 @@ for step in "$@"; do
                 python3 "${rest[@]}" > "$OUT/micro-$n.jsonl" 2> "$OUT/micro-$n.err"
             echo "step $n micro: exit $?"; cat "$OUT/micro-$n.jsonl"; tail -3 "$OUT/micro-$n.err" ;;
         profile)
-            name=${rest[0]}; tree=${rest[1]:-.}; tag=$name-$n
-            read -r -a args <<< "$(scenario_args "$name")"
+            name=${rest[0]:-}; tree=${rest[1]:-.}; tag=$name-$n
+            scenario=$(scenario_args "$name") || exit 2
+            read -r -a args <<< "$scenario"
             (cd "$tree" && PYTHONPATH=$PWD:$PYTHONPATH timeout -k 5 "$(( $(left) - 10 ))" python3 -m torchtitan_ext.train \
                 "${args[@]}" --training.steps 12 --metrics.log_freq 2 \
                 --profiling.enabled true --profiling.start_step 10 --profiling.end_step 11 \
