@@ -42,6 +42,7 @@ class Window:
 
 # logged figures whose median over the steady windows is kept: MFU, gradient bytes a rank sends per step
 MEDIANS = ("mfu", "comm/bytes_sent", "comm/bytes_uncompressed")
+TAIL_STEPS = 50  # tail_loss: the mean of the losses logged at the run's last TAIL_STEPS steps and its last
 
 
 class NoSteadyWindows(ValueError):
@@ -51,7 +52,8 @@ class NoSteadyWindows(ValueError):
 def figures(windows: Sequence[Window], warmup: int) -> dict[str, float]:
     """``tokens_per_sec_per_device`` and ``step_s`` (medians over the steady windows), ``first_step_s``,
     the medians of MEDIANS where logged, ``peak_memory_gib`` / ``peak_reserved_gib`` (the largest logged),
-    ``final_loss`` and ``steps``, ``steady_windows``."""
+    ``final_loss``, ``tail_loss`` (the mean loss logged at steps ``last - TAIL_STEPS .. last``: one logged
+    loss is too noisy to compare two precisions by) and ``steps``, ``steady_windows``."""
     if not windows:
         raise NoSteadyWindows("the run logged no training step")
     steady = [w for w in windows if w.first_step > warmup]
@@ -74,6 +76,9 @@ def figures(windows: Sequence[Window], warmup: int) -> dict[str, float]:
             out[name] = max(logged)
     if "loss" in windows[-1].values:
         out["final_loss"] = windows[-1].values["loss"]
+        tail = [w.values["loss"] for w in windows if w.end_step >= windows[-1].end_step - TAIL_STEPS
+                and "loss" in w.values]
+        out["tail_loss"] = statistics.fmean(tail)
     return {k: v for k, v in out.items() if v is not None}
 
 

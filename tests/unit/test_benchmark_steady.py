@@ -47,6 +47,13 @@ def test_ours_windows_and_the_figures_after_the_warm_up(tmp_path):
     assert fig["tokens_per_sec_per_device"] == 100.0 and fig["step_s"] == 1.0 and fig["steady_windows"] == 3
     assert fig["first_step_s"] == 3.0  # the first window's 4 s less its second step at the steady 1 s
     assert fig["mfu"] == 0.3 and fig["peak_memory_gib"] == 5.0 and fig["final_loss"] == 6.5 and fig["steps"] == 8
+    assert fig["tail_loss"] == (9.0 + 8.0 + 7.0 + 6.5) / 4  # every logged step is within the last 50
+
+
+def test_the_tail_loss_is_the_mean_of_the_losses_logged_in_the_last_50_steps(tmp_path):
+    rows = [{"step": s, "loss": float(s), "tokens": 10 * s, "tokens_per_sec": 10.0} for s in range(10, 301, 10)]
+    fig = steady.figures(steady.ours(_metrics(tmp_path, rows)), warmup=10)
+    assert fig["tail_loss"] == (250 + 260 + 270 + 280 + 290 + 300) / 6 and fig["final_loss"] == 300.0
 
 
 def test_ours_per_device_and_a_longer_warm_up(tmp_path):
