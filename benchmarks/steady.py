@@ -87,6 +87,13 @@ def ours(metrics_jsonl: Path, world_size: int = 1) -> list[Window]:
     return windows([json.loads(line) for line in metrics_jsonl.read_text().splitlines() if line.strip()], world_size)
 
 
+def validation(metrics_jsonl: Path) -> dict[str, float]:
+    """``val_loss`` of a ``torchtitan_ext.train`` run's last evaluation (its metrics.jsonl), or nothing."""
+    rows = [json.loads(line) for line in metrics_jsonl.read_text().splitlines() if line.strip()]
+    evaluated = [row["val_loss"] for row in rows if "val_loss" in row]
+    return {"val_loss": evaluated[-1]} if evaluated else {}
+
+
 def windows(rows: list[dict], world_size: int = 1) -> list[Window]:
     """The windows of metrics.jsonl's rows: each training row's ``tokens`` (cumulative, the whole job's) and
     ``tokens_per_sec`` give its window's tokens and seconds; rows without them (evaluations) are skipped."""

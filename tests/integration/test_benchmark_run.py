@@ -58,7 +58,8 @@ def test_smoke_cpu_trains_and_appends_its_line(tmp_path):
     assert " -m torchtitan_ext.train --config train_configs/debug.toml " in line["command"]
     assert "--training.steps 6 --metrics.log_freq 1" in line["command"]
     fig = line["figures"]
-    assert list(fig) == ["tokens_per_sec", "tokens_per_sec_per_device", "step_s", "first_step_s", "final_loss"]
+    assert list(fig) == ["tokens_per_sec", "tokens_per_sec_per_device", "step_s", "first_step_s", "final_loss",
+                         "tail_loss"]  # eval.steps 0: no val_loss
     assert fig["tokens_per_sec"] == fig["tokens_per_sec_per_device"] > 0
     assert fig["step_s"] > 0 and fig["first_step_s"] > 0 and 0 < fig["final_loss"] < math.log(257) + 1
     # tokens/s and the step time describe the same steady steps: 2 x 64 tokens a step

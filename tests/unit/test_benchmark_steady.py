@@ -56,6 +56,13 @@ def test_the_tail_loss_is_the_mean_of_the_losses_logged_in_the_last_50_steps(tmp
     assert fig["tail_loss"] == (250 + 260 + 270 + 280 + 290 + 300) / 6 and fig["final_loss"] == 300.0
 
 
+def test_the_validation_loss_is_the_last_evaluation_and_absent_without_one(tmp_path):
+    assert steady.validation(_metrics(tmp_path, ROWS)) == {"val_loss": 7.9}
+    rows = [*ROWS, {"step": 8, "val_loss": 6.4, "val_bpb": 1.0}]
+    assert steady.validation(_metrics(tmp_path, rows)) == {"val_loss": 6.4}
+    assert steady.validation(_metrics(tmp_path, ROWS[:2])) == {}
+
+
 def test_ours_per_device_and_a_longer_warm_up(tmp_path):
     windows = steady.ours(_metrics(tmp_path, ROWS), world_size=2)
     fig = steady.figures(windows, warmup=4)  # windows 5-6 and 7-8: 100 and 50 tokens/s per device
