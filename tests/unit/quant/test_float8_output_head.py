@@ -108,3 +108,46 @@ def test_compiled_float8_head_under_fsdp_trains_like_one_process():
     for got in run_distributed(_fsdp_head_worker, 2):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
     assert ref[-1] < ref[0]
+
+
+def _head_grad_and_exact(cfg: Float8Section) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float8 head's weight gradient and the exact one (float64, from the head's own input and output
+    gradient as the model saw them)."""
+    model, _ = tiny_float8(cfg)
+    seen = {}
+    model.output.register_forward_hook(lambda m, args, out: seen.update(x=args[0]))
+    model.output.register_full_backward_hook(lambda m, grad_in, grad_out: seen.update(dy=grad_out[0]))
+    _loss_and_head_grad(model, __import__("contextlib").nullcontext)
+    x, dy = seen["x"].flatten(0, 1).double(), seen["dy"].flatten(0, 1).double()
+    return model.output.weight.grad.double(), dy.T @ x
+
+
+@needs_torchao
+def test_a_bf16_weight_gradient_keeps_the_float8_heads_weight_gradient_exact():
+    """``output_weight_grad = "bf16"``: the head's weight gradient is the high-precision product of its input
+    and output gradient; with ``"float8"`` it is the product of their float8 roundings, measurably off. The
+    forward and input gradient stay float8 in both (the head is a Float8Linear either way)."""
+    import dataclasses
+
+    grad, exact = _head_grad_and_exact(dataclasses.replace(HEAD, output_weight_grad="bf16"))
+    torch.testing.assert_close(grad, exact, rtol=1e-5, atol=1e-7)
+    rounded, exact_rounded = _head_grad_and_exact(HEAD)
+    error = (rounded - exact_rounded).norm() / exact_rounded.norm()
+    assert error > 1e-3  # e4m3 / e5m2 operands: a relative error of a few percent
+    model, converted = tiny_float8(dataclasses.replace(HEAD, output_weight_grad="bf16"))
+    assert isinstance(model.output, Float8Linear) and "output" in converted
+    assert model.layers["0"].attention.wq.config.cast_config_grad_output_for_grad_weight.scaling_type.value \
+        != "disabled"  # the blocks keep the float8 weight gradient
+
+
+@needs_torchao
+def test_a_bf16_weight_gradient_needs_the_float8_tensorwise_head():
+    import dataclasses
+
+    from torchtitan_ext.errors import ConfigError
+
+    for cfg, got in ((Float8Section(enabled=True, output_weight_grad="bf16"), "include_output = false"),
+                     (dataclasses.replace(HEAD, recipe="rowwise", output_weight_grad="bf16"), "recipe 'rowwise'")):
+        with pytest.raises(ConfigError, match=f"float8.output_weight_grad = 'bf16' needs float8.include_output = "
+                                              f"true and float8.recipe = 'tensorwise' \\(got .*{got}"):
+            f8.check_float8_supported(dataclasses.replace(cfg, emulate=True), torch.device("cpu"))
