@@ -393,11 +393,10 @@ def _gpu_skip_reason() -> str | None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(_gpu_skip_reason() is not None, reason=str(_gpu_skip_reason()))
-@pytest.mark.parametrize("recipe, head", [("tensorwise", None), ("rowwise", None), ("tensorwise", "bf16")])
-def test_gpu_compiled_float8_tracks_bf16(recipe, head):
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_gpu_compiled_float8_tracks_bf16(recipe):
     """Real FP8 GEMMs under torch.compile and bf16 autocast memorising one batch: the loss falls as in bf16
-    (within 10% after 30 steps; the 1%-after-300-steps comparison is the loss_*_8b_proxy scenarios'). ``head``:
-    the head in float8 too, with that weight-gradient precision."""
+    (within 10% after 30 steps; the 1%-after-300-steps comparison is the loss_*_8b_proxy scenarios')."""
     args = ModelArgs(vocab_size=4096, dim=1024, n_layers=2, n_heads=8, n_kv_heads=4, ffn_hidden=2816,
                      max_seq_len=512)
     tokens = torch.randint(0, 4096, (8, 513), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
@@ -407,11 +406,10 @@ def test_gpu_compiled_float8_tracks_bf16(recipe, head):
         with torch.device("cuda"):
             model = init_decoder(Decoder(args), seed=0, device="cuda")
         if name == "float8":
-            cfg = Float8Section(enabled=True, recipe=recipe, include_output=head is not None,
-                                output_weight_grad=head or "float8")
+            cfg = Float8Section(enabled=True, recipe=recipe)
             f8.check_float8_supported(cfg, torch.device("cuda"))
             converted = f8.convert_to_float8(model, cfg, log=lambda s: None)
-            assert len(converted) == 2 * len(BLOCK) + (head is not None)
+            assert len(converted) == 2 * len(BLOCK)
         compiled = torch.compile(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         losses = []
