@@ -25,8 +25,7 @@ Step time of one optimizer step (the global batch) on every GPU:
               MoDE with small experts less). Smaller GEMMs under TP, MoDE load imbalance and kernel launch costs
               are not modelled. With ``float8.enabled`` the blocks' dense linears (and the head with
               ``float8.include_output``) run FLOAT8_GEMM_SPEEDUP times faster (their share of the FLOPs: 6 x their
-              parameters per token; 4 for a head whose weight gradient is bf16); attention and the rest do
-              not; emulated float8 (``float8.emulate``) not.
+              parameters per token); attention and the rest do not; emulated float8 (``float8.emulate``) not.
               Compiled float8 tensorwise blocks without activation checkpointing add FLOAT8_NO_AC_FUSION x
               compute: Inductor fuses each attention norm's backward with transposed float8 casts into one slow
               kernel there.
@@ -177,8 +176,7 @@ def step_time(cfg: JobConfig, p: Plan, hw: Hardware) -> StepTime:
     # Emulated float8 (``float8.emulate``) runs its GEMMs in high precision: bf16's speed, plus the casts.
     if cfg.float8.enabled and not cfg.float8.emulate and (speedup := FLOAT8_GEMM_SPEEDUP.get(cfg.float8.recipe)):
         groups = param_groups(a)
-        head_flops = (6 if cfg.float8.output_weight_grad == "float8" else 4) if cfg.float8.include_output else 0
-        share = (6 * groups["matrices"] + head_flops * groups["head"]) / per_token
+        share = 6 * (groups["matrices"] + (groups["head"] if cfg.float8.include_output else 0)) / per_token
         compute *= 1 - share + share / speedup
         if cfg.float8.recipe == "tensorwise" and t.compile and ac.mode == "none":
             compute *= 1 + FLOAT8_NO_AC_FUSION
