@@ -296,9 +296,6 @@ class Float8Section:
     filter_fqns: list = opt(["output"], "modules whose FQN contains one of these stay in bf16")
     include_output: bool = opt(False, "the output head in float8 too, whatever filter_fqns says (under TP: "
                                "each rank's vocabulary shard); not with training.fused_linear_ce")
-    output_weight_grad: str = opt("float8", "the float8 head's weight-gradient GEMM: float8 (as its other two) or "
-                                  "bf16 (its inputs kept in high precision; tensorwise, include_output)",
-                                  choices=("float8", "bf16"))
     min_dim: int = opt(64, "linears with in/out features below this (or not divisible by 16; by 128 for "
                        "blockwise) stay in bf16", min=16)
     enable_fsdp_float8_all_gather: bool = opt(False, "all-gather FSDP params in float8 (tensorwise)")

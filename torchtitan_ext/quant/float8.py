@@ -12,9 +12,8 @@ multiples of 512).
 Which linears stay in bf16 (``float8_module_filter``): the FQNs listed in ``filter_fqns`` (the output head by
 default: its logits feed the loss and it is a large share of the error; ``include_output`` converts it anyway,
 and under TP each rank then casts its own vocabulary shard of the head, with the tensorwise scale a global
-amax over the shards; compiled, the head is its own graph; ``output_weight_grad = "bf16"`` keeps the head's
-weight gradient in high precision, its forward and input gradient in float8), MoDE routers (an FP8 rounding
-can flip a top-k choice, and the GEMM is tiny), and any linear whose in/out features are below ``min_dim`` or not
+amax over the shards; compiled, the head is its own graph), MoDE routers (an FP8 rounding can flip a top-k
+choice, and the GEMM is tiny), and any linear whose in/out features are below ``min_dim`` or not
 divisible by 16 (``torch._scaled_mm`` needs multiples of 16; small GEMMs lose more to the casts than the FP8
 GEMM saves); for ``blockwise``, not divisible by 512 (4 scale blocks: cuBLAS computes other contractions
 wrong, ``quant/float8_blockwise.py``).
@@ -84,10 +83,6 @@ def check_float8_supported(cfg: Float8Section, device: torch.device, fused_linea
     if cfg.include_output and fused_linear_ce:
         raise ConfigError("float8.include_output = true and training.fused_linear_ce = true are exclusive: the "
                           "fused loss multiplies by the head's weight itself, not through its Float8Linear")
-    if cfg.output_weight_grad != "float8" and not (cfg.include_output and cfg.recipe == "tensorwise"):
-        raise ConfigError(f"float8.output_weight_grad = {cfg.output_weight_grad!r} needs float8.include_output = "
-                          f"true and float8.recipe = 'tensorwise' (got include_output = "
-                          f"{str(cfg.include_output).lower()}, recipe {cfg.recipe!r})")
     if cfg.recipe != "tensorwise":
         for key in ("enable_fsdp_float8_all_gather", "precompute_float8_dynamic_scale_for_fsdp"):
             if getattr(cfg, key):
@@ -154,15 +149,11 @@ def float8_module_filter(cfg: Float8Section) -> Callable[[nn.Module, str], bool]
     return keep
 
 
-def _linear_config(f8: ModuleType, cfg: Float8Section, emulate: bool, high_precision_weight_grad: bool = False
-                   ) -> Float8LinearConfig:
-    """The Float8LinearConfig of ``cfg.recipe``; ``emulate`` runs the FP8 GEMMs in high precision (tests).
-    ``high_precision_weight_grad`` (tensorwise): the weight gradient from the unscaled input and gradient."""
+def _linear_config(f8: ModuleType, cfg: Float8Section, emulate: bool) -> Float8LinearConfig:
+    """The Float8LinearConfig of ``cfg.recipe``; ``emulate`` runs the FP8 GEMMs in high precision (tests)."""
     if cfg.recipe == "tensorwise":
-        unscaled = {"cast_config_input_for_grad_weight": f8.CastConfig(scaling_type=f8.ScalingType.DISABLED),
-                    "cast_config_grad_output_for_grad_weight": f8.CastConfig(scaling_type=f8.ScalingType.DISABLED)}
         return f8.Float8LinearConfig(enable_fsdp_float8_all_gather=cfg.enable_fsdp_float8_all_gather,
-                                     emulate=emulate, **(unscaled if high_precision_weight_grad else {}))
+                                     emulate=emulate)
     config = f8.Float8LinearConfig.from_recipe_name(cfg.recipe)
     return dataclasses.replace(config, emulate=True) if emulate else config
 
@@ -187,14 +178,8 @@ def convert_to_float8(model: nn.Module, cfg: Float8Section, *, emulate: bool = F
     if cfg.recipe == "blockwise":
         converted = convert_to_blockwise(model, float8_module_filter(cfg), emulate=emulate)
     else:
-        keep = float8_module_filter(cfg)
-        apart = "output" if cfg.output_weight_grad == "bf16" else None  # the head, with its own config
-        f8.convert_to_float8_training(model, module_filter_fn=lambda m, fqn: fqn != apart and keep(m, fqn),
+        f8.convert_to_float8_training(model, module_filter_fn=float8_module_filter(cfg),
                                       config=_linear_config(f8, cfg, emulate))
-        head = dict(model.named_modules()).get(apart) if apart is not None else None
-        if head is not None and keep(head, apart):
-            f8.convert_to_float8_training(model, module_filter_fn=lambda m, fqn: fqn == apart,
-                                          config=_linear_config(f8, cfg, emulate, high_precision_weight_grad=True))
         converted = [fqn for fqn, m in model.named_modules() if isinstance(m, Float8Linear)]
     log(f"float8 {cfg.recipe}: {len(converted)} linears converted, {len(skipped)} kept in bf16"
         + " (emulated: high-precision GEMMs of float8-rounded operands)" * emulate
