@@ -42,7 +42,7 @@ class Window:
 
 # logged figures whose median over the steady windows is kept: MFU, gradient bytes a rank sends per step
 MEDIANS = ("mfu", "comm/bytes_sent", "comm/bytes_uncompressed")
-TAIL_STEPS = 50  # tail_loss: the mean of the losses logged at the run's last TAIL_STEPS steps and its last
+TAIL_STEPS = 50  # tail_loss: the mean of the losses logged at steps last - TAIL_STEPS .. last
 
 
 class NoSteadyWindows(ValueError):
