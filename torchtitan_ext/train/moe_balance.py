@@ -58,13 +58,13 @@ def balance_experts(parts: list[nn.Module], group: dist.ProcessGroup | None, rep
     loads = loads.double()
     domain_tokens = domain_loads.sum(dim=-1)  # (layers, domains)
     top_share, top_expert = (domain_loads / domain_tokens.clamp(min=1).unsqueeze(-1)).max(dim=-1)
-    parts = [loads.max(dim=1).values / loads.mean(dim=1).clamp(min=1),
-             loads.min(dim=1).values / loads.sum(dim=1).clamp(min=1),
-             domain_tokens, top_share, top_expert.double(), losses.mean(dim=1)]
+    figures = [loads.max(dim=1).values / loads.mean(dim=1).clamp(min=1),
+               loads.min(dim=1).values / loads.sum(dim=1).clamp(min=1),
+               domain_tokens, top_share, top_expert.double(), losses.mean(dim=1)]
     # Everything in one device-to-host transfer: a read per value would wait on the device each time.
-    host = torch.cat([p.flatten() for p in parts]).cpu().split([p.numel() for p in parts])
+    host = torch.cat([f.flatten() for f in figures]).cpu().split([f.numel() for f in figures])
     imbalance, min_share, tokens, share, expert, mean_losses = (
-        h.view_as(p).tolist() for h, p in zip(host, parts, strict=True))
+        h.view_as(f).tolist() for h, f in zip(host, figures, strict=True))
     for i, (name, _) in enumerate(layers):
         metrics[f"moe/{name}/imbalance"], metrics[f"moe/{name}/min_share"] = imbalance[i], min_share[i]
         for dom, count in enumerate(tokens[i]):
