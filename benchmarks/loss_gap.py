@@ -10,13 +10,16 @@ A single window's difference is noisy; how it moves from window to window says h
 
 from __future__ import annotations
 
-import json
 import re
 import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+BENCH = Path(__file__).resolve().parent
+sys.path[:0] = [str(BENCH.parent), str(BENCH)]
+
+import steady  # noqa: E402  (this folder)
+
 from torchtitan_ext.cli import ArgumentParser, positive_whole, run_tool  # noqa: E402
 from torchtitan_ext.errors import UserError  # noqa: E402
 
@@ -27,12 +30,18 @@ def step_losses(path: Path) -> dict[int, float]:
     """The training loss of every logged step of a metrics.jsonl or console log."""
     if not path.is_file():
         raise UserError(f"{path}: no such file")
-    text = path.read_text(errors="replace")
     if path.suffix == ".jsonl":
-        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-        losses = {row["step"]: row["loss"] for row in rows if "loss" in row and "tokens_per_sec" in row}
+        try:
+            rows = steady.metrics_rows(path)
+        except ValueError as e:
+            raise UserError(f"{path}: {e}") from None
+        losses = {row.get("step"): row["loss"] for row in rows if "loss" in row and "tokens_per_sec" in row}
+        if bad := next(((s, v) for s, v in losses.items() if not isinstance(s, int) or isinstance(v, bool)
+                        or not isinstance(v, (int, float))), None):
+            raise UserError(f"{path}: step {bad[0]!r} logs loss {bad[1]!r}; expected a whole step and a number")
     else:
-        losses = {int(m[1]): float(m[2]) for line in text.splitlines() if (m := CONSOLE_STEP.match(line))}
+        losses = {int(m[1]): float(m[2]) for line in path.read_text(errors="replace").splitlines()
+                  if (m := CONSOLE_STEP.match(line))}
     if not losses:
         raise UserError(f"{path}: no training step's loss in it (expected metrics.jsonl rows or 'step N  loss X' "
                         f"console lines)")

@@ -266,9 +266,10 @@ def ours(call: Call, scenario: Scenario, run: str, limit: float) -> dict:
     if not (folder / "metrics.jsonl").is_file():
         return {**out, "status": "failed", "error": f"exit 0 but no {folder.name}/metrics.jsonl"}
     processes = scenario.gpus or (4 if scenario.launcher != "torchrun" else 1)  # two_nodes.sh --cpu: 2 x 2
-    result = measured(scenario, steady.ours(folder / "metrics.jsonl", processes), processes)
+    rows = steady.metrics_rows(folder / "metrics.jsonl")
+    result = measured(scenario, steady.windows(rows, processes), processes)
     if result["status"] == "ok":
-        result["figures"].update(steady.validation(folder / "metrics.jsonl"))
+        result["figures"].update(steady.validation(rows))
     return {**out, **result}
 
 

@@ -82,14 +82,30 @@ def figures(windows: Sequence[Window], warmup: int) -> dict[str, float]:
     return {k: v for k, v in out.items() if v is not None}
 
 
+def metrics_rows(metrics_jsonl: Path) -> list[dict]:
+    """The rows of a ``torchtitan_ext.train`` run's metrics.jsonl; a line that is not a JSON object is a
+    ValueError naming its number."""
+    rows = []
+    for number, line in enumerate(metrics_jsonl.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"line {number} is not JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"line {number} is not a JSON object")
+        rows.append(row)
+    return rows
+
+
 def ours(metrics_jsonl: Path, world_size: int = 1) -> list[Window]:
     """The training windows of a ``torchtitan_ext.train`` run of a fresh dump folder (:func:`windows`)."""
-    return windows([json.loads(line) for line in metrics_jsonl.read_text().splitlines() if line.strip()], world_size)
+    return windows(metrics_rows(metrics_jsonl), world_size)
 
 
-def validation(metrics_jsonl: Path) -> dict[str, float]:
-    """``val_loss`` of a ``torchtitan_ext.train`` run's last evaluation (its metrics.jsonl), or nothing."""
-    rows = [json.loads(line) for line in metrics_jsonl.read_text().splitlines() if line.strip()]
+def validation(rows: list[dict]) -> dict[str, float]:
+    """``val_loss`` of the last evaluation among metrics.jsonl's ``rows``, or nothing."""
     evaluated = [row["val_loss"] for row in rows if "val_loss" in row]
     return {"val_loss": evaluated[-1]} if evaluated else {}
 

@@ -51,3 +51,14 @@ def test_a_file_without_losses_is_one_line_and_exit_2(tmp_path):
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
         f"error: {empty}: no training step's loss in it (expected metrics.jsonl rows or 'step N  loss X' console "
         f"lines)"]
+
+
+@pytest.mark.parametrize("text, expected", [
+    ('{"step": 1, "loss": 2\n', "line 1 is not JSON (Expecting ',' delimiter)"),
+    ('{"step": 1, "loss": 2.0, "tokens_per_sec": 1}\n[1, 2]\n', "line 2 is not a JSON object"),
+    ('{"step": 1, "loss": "x", "tokens_per_sec": 1}\n', "step 1 logs loss 'x'; expected a whole step and a number")])
+def test_a_corrupted_metrics_jsonl_is_one_line_naming_what_is_wrong(tmp_path, text, expected):
+    bad = tmp_path / "metrics.jsonl"
+    bad.write_text(text)
+    done = subprocess.run([sys.executable, str(SCRIPT), str(bad), str(bad)], capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [f"error: {bad}: {expected}"]

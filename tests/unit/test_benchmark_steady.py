@@ -57,10 +57,10 @@ def test_the_tail_loss_is_the_mean_of_the_losses_logged_in_the_last_50_steps(tmp
 
 
 def test_the_validation_loss_is_the_last_evaluation_and_absent_without_one(tmp_path):
-    assert steady.validation(_metrics(tmp_path, ROWS)) == {"val_loss": 7.9}
+    assert steady.validation(steady.metrics_rows(_metrics(tmp_path, ROWS))) == {"val_loss": 7.9}
     rows = [*ROWS, {"step": 8, "val_loss": 6.4, "val_bpb": 1.0}]
-    assert steady.validation(_metrics(tmp_path, rows)) == {"val_loss": 6.4}
-    assert steady.validation(_metrics(tmp_path, ROWS[:2])) == {}
+    assert steady.validation(steady.metrics_rows(_metrics(tmp_path, rows))) == {"val_loss": 6.4}
+    assert steady.validation(steady.metrics_rows(_metrics(tmp_path, ROWS[:2]))) == {}
 
 
 def test_ours_per_device_and_a_longer_warm_up(tmp_path):
