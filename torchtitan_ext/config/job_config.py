@@ -305,6 +305,9 @@ class Float8Section:
                         "groups padded to 16 rows); needs float8.enabled")
     emulate: bool = opt(False, "run the float8 casts and scales with high-precision GEMMs of the float8-rounded "
                         "operands, on any device (CPU included): for tests and debugging, not for speed")
+    high_precision_eval: bool = opt(False, "validation runs the float8 linears and experts on their weights "
+                                    "without float8 rounding, as python -m torchtitan_ext.eval, generation and "
+                                    "exported checkpoints run the trained model; training is unchanged")
 
 
 @dataclass

@@ -34,10 +34,12 @@ compatibility table), below this project's torch 2.11 floor. torch 2.14 with tor
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import logging
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -46,7 +48,14 @@ import torch.nn as nn
 
 from torchtitan_ext.config.job_config import Float8Section
 from torchtitan_ext.errors import ConfigError
-from torchtitan_ext.quant.float8_blockwise import BLOCK, CONTRACTION_MULTIPLE, convert_to_blockwise
+from torchtitan_ext.models.mode import GroupedExperts
+from torchtitan_ext.quant.float8_blockwise import (
+    BLOCK,
+    CONTRACTION_MULTIPLE,
+    BlockwiseFloat8Linear,
+    convert_to_blockwise,
+)
+from torchtitan_ext.quant.float8_experts import Float8GroupedExperts
 
 if TYPE_CHECKING:
     from torchao.float8 import Float8LinearConfig
@@ -75,6 +84,8 @@ def check_float8_supported(cfg: Float8Section, device: torch.device, fused_linea
     weight itself and so would silently bypass a float8 head. ``tp``: the tensor-parallel degree.
     ``float8.emulate`` skips the device checks (every recipe and the float8 experts have an emulated path in plain
     torch) but still needs torchao."""
+    if cfg.high_precision_eval and not cfg.enabled:
+        raise ConfigError("float8.high_precision_eval = true needs float8.enabled = true")
     if not cfg.enabled:
         return
     if cfg.recipe == "blockwise" and tp > 1:
@@ -170,8 +181,6 @@ def convert_to_float8(model: nn.Module, cfg: Float8Section, *, emulate: bool = F
     f8 = _torchao_float8()
     from torchao.float8.float8_linear import Float8Linear
 
-    from torchtitan_ext.models.mode import GroupedExperts
-
     log = log or logger.info
     skipped = {fqn: _skip_reason(cfg, m, fqn) for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
     skipped = {fqn: why for fqn, why in skipped.items() if why is not None}
@@ -189,6 +198,38 @@ def convert_to_float8(model: nn.Module, cfg: Float8Section, *, emulate: bool = F
         log(f"float8: {len(experts)} MoDE expert groups stay in bf16 (float8.experts = true runs their grouped "
             f"GEMMs in float8 rowwise)")
     return converted
+
+
+def _high_precision_twin(module: nn.Module) -> type[nn.Module] | None:
+    """The plain class whose forward runs ``module``'s float8 GEMMs on its own weights, or None."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    if isinstance(module, (Float8Linear, BlockwiseFloat8Linear)):
+        return nn.Linear
+    if isinstance(module, Float8GroupedExperts):
+        return GroupedExperts
+    return None
+
+
+@contextlib.contextmanager
+def high_precision_forward(model_parts: list[nn.Module]) -> Iterator[None]:
+    """Inside, every float8 linear and float8 expert group runs its plain twin's forward (``nn.Linear``,
+    ``GroupedExperts``) on its own weights: the trained model as the eval tool, generation and exported
+    checkpoints see it, without the float8 rounding of training (``float8.high_precision_eval``). The
+    modules' hooks (FSDP's unshard) still run; compiled, the validation graph is traced with the plain
+    forward (it is a graph of its own: no_grad, eval mode)."""
+    swapped = []
+    for part in model_parts:
+        for module in part.modules():
+            twin = _high_precision_twin(module)
+            if twin is not None:
+                module.forward = types.MethodType(twin.forward, module)
+                swapped.append(module)
+    try:
+        yield
+    finally:
+        for module in swapped:
+            del module.forward
 
 
 def precompute_float8_scales(model_parts: list[nn.Module]) -> None:

@@ -44,7 +44,7 @@ from torchtitan_ext.parallel.context_parallel import shard_batch, token_share
 from torchtitan_ext.parallel.expert_placement import ExpertPlacement
 from torchtitan_ext.parallel.grad_norm import grad_norm
 from torchtitan_ext.parallel.pp import build_schedule
-from torchtitan_ext.quant.float8 import precompute_float8_scales
+from torchtitan_ext.quant.float8 import high_precision_forward, precompute_float8_scales
 from torchtitan_ext.train.attention_features import AttentionFeatures, pipeline_mask_args
 from torchtitan_ext.train.build import BuiltModel, BuiltRun, build_run, forward_context, pp_microbatches
 from torchtitan_ext.train.gc_schedule import GarbageCollection
@@ -457,9 +457,11 @@ class Trainer:
         self.evaluating = True
         for m in self.model_parts:
             m.eval()
-        ema_weights = contextlib.ExitStack()  # eval.use_ema: the average stands in for the weights
-        if self.ema is not None and self.cfg.eval.use_ema:
-            ema_weights.enter_context(self.ema.swapped_in())
+        swaps = contextlib.ExitStack()
+        if self.ema is not None and self.cfg.eval.use_ema:  # the average stands in for the weights
+            swaps.enter_context(self.ema.swapped_in())
+        if self.cfg.float8.high_precision_eval:  # the weights without float8 rounding
+            swaps.enter_context(high_precision_forward(self.model_parts))
         loaders = self.val_loader if isinstance(self.val_loader, dict) else {"": self.val_loader}
         sums = torch.zeros(len(loaders), 4, dtype=torch.float64, device=self.device)  # batch_sums', windows
         for row, loader in enumerate(loaders.values()):
@@ -480,7 +482,7 @@ class Trainer:
         for m in self.model_parts:
             m.train()
         self.evaluating = False
-        ema_weights.close()
+        swaps.close()
         if self.loss_group is not None:
             dist.all_reduce(sums, group=self.loss_group)
         val, figures = summarize(list(loaders), sums[:, :3])
