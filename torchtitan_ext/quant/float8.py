@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from torchtitan_ext.config.job_config import Float8Section
 from torchtitan_ext.errors import ConfigError
@@ -200,30 +201,35 @@ def convert_to_float8(model: nn.Module, cfg: Float8Section, *, emulate: bool = F
     return converted
 
 
-def _high_precision_twin(module: nn.Module) -> type[nn.Module] | None:
-    """The plain class whose forward runs ``module``'s float8 GEMMs on its own weights, or None."""
+def _plain_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    # nn.Linear.forward itself is in Dynamo's skip list: a head compiled in place would find no frame to trace
+    return F.linear(x, module.weight, module.bias)
+
+
+def _high_precision_forward(module: nn.Module) -> Callable | None:
+    """The plain forward that runs ``module``'s float8 GEMMs on its own weights, or None."""
     from torchao.float8.float8_linear import Float8Linear
 
     if isinstance(module, (Float8Linear, BlockwiseFloat8Linear)):
-        return nn.Linear
+        return _plain_linear
     if isinstance(module, Float8GroupedExperts):
-        return GroupedExperts
+        return GroupedExperts.forward
     return None
 
 
 @contextlib.contextmanager
 def high_precision_forward(model_parts: list[nn.Module]) -> Iterator[None]:
-    """Inside, every float8 linear and float8 expert group runs its plain twin's forward (``nn.Linear``,
-    ``GroupedExperts``) on its own weights: the trained model as the eval tool, generation and exported
+    """Inside, every float8 linear and float8 expert group runs the plain forward (``F.linear``,
+    ``GroupedExperts.forward``) on its own weights: the trained model as the eval tool, generation and exported
     checkpoints see it, without the float8 rounding of training (``float8.high_precision_eval``). The
     modules' hooks (FSDP's unshard) still run; compiled, the validation graph is traced with the plain
     forward (it is a graph of its own: no_grad, eval mode)."""
     swapped = []
     for part in model_parts:
         for module in part.modules():
-            twin = _high_precision_twin(module)
-            if twin is not None:
-                module.forward = types.MethodType(twin.forward, module)
+            forward = _high_precision_forward(module)
+            if forward is not None:
+                module.forward = types.MethodType(forward, module)
                 swapped.append(module)
     try:
         yield

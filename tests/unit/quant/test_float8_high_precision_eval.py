@@ -52,6 +52,28 @@ def test_float8_linears_run_their_weights_inside_and_float8_again_after():
 
 
 @needs_torchao
+def test_compiled_blocks_and_head_switch_graphs_with_the_forward():
+    """Compiled as the trainer compiles (each block, the head in place), validation calls alternate between
+    float8 and plain: each call runs its own graph, none reuses the other's."""
+    from torchtitan_ext.parallel.compile import apply_compile
+
+    model, _ = tiny_float8(Float8Section(enabled=True, min_dim=16, include_output=True))
+    tokens = tiny_tokens()[:, :-1]
+    with torch.no_grad():
+        rounded, plain = model(tokens), _plain_twin(model)(tokens)
+        model.eval()
+        apply_compile(model, experts_in_graph=True, tensor_parallel=False, compile_head=True)
+        calls = [model(tokens)]
+        for _ in range(2):
+            with f8.high_precision_forward([model]):
+                calls.append(model(tokens))
+            calls.append(model(tokens))
+    for i, out in enumerate(calls):
+        torch.testing.assert_close(out, plain if i % 2 else rounded, rtol=1e-4, atol=1e-4)
+    assert (rounded - plain).abs().max() > 1e-2
+
+
+@needs_torchao
 def test_the_plain_forward_is_restored_when_the_validation_raises():
     model, _ = tiny_float8(Float8Section(enabled=True, min_dim=16))
     with pytest.raises(RuntimeError, match="stop"), f8.high_precision_forward([model]):
@@ -87,14 +109,18 @@ def test_high_precision_eval_needs_float8():
 
 @needs_torchao
 def test_trainer_validation_in_high_precision_equals_eval_tool(tmp_path):
-    """A float8 (emulated) run with float8.high_precision_eval: its final validation loss is the eval tool's on
-    the checkpoint it saved, which loads the weights into a plain Decoder."""
+    """A compiled float8 (emulated) run, head included, with float8.high_precision_eval: its final validation
+    loss (after a validation at step 2 and training on in float8) is the eval tool's on the checkpoint it
+    saved, which loads the weights into a plain Decoder."""
     dump = tmp_path / "run"
     run_trainer(dump, 0, "--float8.enabled", "true", "--float8.emulate", "true", "--float8.high_precision_eval",
-                "true", "--training.steps", "3", "--eval.steps", "2", "--checkpoint.enabled", "true",
+                "true", "--float8.include_output", "true", "--training.compile", "true", "--training.steps", "3",
+                "--eval.interval", "2", "--eval.steps", "2", "--checkpoint.enabled", "true",
                 "--checkpoint.interval", "100")
     rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
-    final = [r for r in rows if "val_loss" in r][-1]
+    validations = [r for r in rows if "val_loss" in r]
+    assert [r["step"] for r in validations] == [2, 3]
+    final = validations[-1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     out = subprocess.run([sys.executable, "-m", "torchtitan_ext.eval", "--config", str(dump / "config.toml")],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
