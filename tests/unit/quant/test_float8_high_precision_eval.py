@@ -15,13 +15,15 @@ import sys
 import pytest
 import torch
 import torch.nn as nn
-from float8_utils import TINY, needs_torchao, tiny_float8, tiny_tokens
+from float8_utils import TINY, TORCHAO_ERROR, init_decoder, needs_torchao, tiny_float8, tiny_tokens
 from trainer_utils import REPO, run_trainer
 
 from torchtitan_ext.config.job_config import Float8Section
 from torchtitan_ext.errors import ConfigError
+from torchtitan_ext.models.args import ModelArgs
 from torchtitan_ext.models.decoder import Decoder
 from torchtitan_ext.models.mode import GroupedExperts
+from torchtitan_ext.parallel.compile import apply_compile
 from torchtitan_ext.quant import float8 as f8
 from torchtitan_ext.quant.float8_blockwise import BlockwiseFloat8Linear
 from torchtitan_ext.quant.float8_experts import Float8GroupedExperts
@@ -55,8 +57,6 @@ def test_float8_linears_run_their_weights_inside_and_float8_again_after():
 def test_compiled_blocks_and_head_switch_graphs_with_the_forward():
     """Compiled as the trainer compiles (each block, the head in place), validation calls alternate between
     float8 and plain: each call runs its own graph, none reuses the other's."""
-    from torchtitan_ext.parallel.compile import apply_compile
-
     model, _ = tiny_float8(Float8Section(enabled=True, min_dim=16, include_output=True))
     tokens = tiny_tokens()[:, :-1]
     with torch.no_grad():
@@ -128,3 +128,39 @@ def test_trainer_validation_in_high_precision_equals_eval_tool(tmp_path):
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["checkpoint"].endswith("step-3")
     assert res["val_loss"] == pytest.approx(final["val_loss"], rel=1e-5, abs=1e-4)
+
+
+def _gpu_skip_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "needs CUDA"
+    if torch.cuda.get_device_capability() < f8.MIN_CAPABILITY:
+        return f"needs compute capability >= 8.9, {torch.cuda.get_device_name()} is below"
+    return TORCHAO_ERROR
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_skip_reason() is not None, reason=str(_gpu_skip_reason()))
+def test_gpu_compiled_validation_alternates_between_float8_and_bf16():
+    """Real float8 GEMMs, compiled as the trainer compiles (head included), bf16 autocast: inside the context
+    the logits are the plain bf16 model's, outside float8's, call after call."""
+    args = ModelArgs(vocab_size=4096, dim=1024, n_layers=2, n_heads=8, n_kv_heads=4, ffn_hidden=2816,
+                     max_seq_len=512)
+    tokens = torch.randint(0, 4096, (4, 512), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    with torch.device("cuda"):
+        model = init_decoder(Decoder(args), seed=0, device="cuda")
+        plain = init_decoder(Decoder(args), seed=0, device="cuda")
+    cfg = Float8Section(enabled=True, include_output=True)
+    f8.check_float8_supported(cfg, torch.device("cuda"))
+    assert len(f8.convert_to_float8(model, cfg, log=lambda s: None)) == 2 * 7 + 1
+    model.eval()
+    apply_compile(model, experts_in_graph=True, tensor_parallel=False, compile_head=True)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        reference = plain(tokens).float()
+        calls = [model(tokens).float()]
+        for _ in range(2):
+            with f8.high_precision_forward([model]):
+                calls.append(model(tokens).float())
+            calls.append(model(tokens).float())
+    errors = [((out - reference).norm() / reference.norm()).item() for out in calls]
+    plain_errors, float8_errors = errors[1::2], errors[0::2]
+    assert max(plain_errors) < 0.02 and max(plain_errors) < 0.25 * min(float8_errors), errors
