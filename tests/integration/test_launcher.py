@@ -50,7 +50,7 @@ def _held(dump: Path) -> tuple[object, str]:
     return lock, holder
 
 
-@pytest.mark.parametrize("case", ["bad key", "bad value", "missing config", "busy folder"])
+@pytest.mark.parametrize("case", ["bad key", "bad value", "missing config", "float8 keys", "busy folder"])
 def test_a_mistake_is_one_line_and_exit_2_before_any_worker(tmp_path, case):
     dump = tmp_path / "run"
     args = [*SHRUNK, "--job.dump_folder", str(dump)]
@@ -61,6 +61,9 @@ def test_a_mistake_is_one_line_and_exit_2_before_any_worker(tmp_path, case):
     elif case == "bad value":
         args += ["--training.steps", "abc"]
         expected = "error: argument --training.steps: training.steps: expected int, got 'abc'"
+    elif case == "float8 keys":  # keys that contradict each other: refused before torch starts
+        args += ["--float8.high_precision_eval", "true"]
+        expected = "error: float8.high_precision_eval = true needs float8.enabled = true"
     elif case == "missing config":
         args = ["--config", str(tmp_path / "nope.toml"), *args]
         expected = (f"error: config file {tmp_path / 'nope.toml'}: not found (expected a TOML file, e.g. "

@@ -56,6 +56,7 @@ from torchtitan_ext.quant.float8_blockwise import (
     BlockwiseFloat8Linear,
     convert_to_blockwise,
 )
+from torchtitan_ext.quant.float8_config import check_float8_config
 from torchtitan_ext.quant.float8_experts import Float8GroupedExperts
 
 if TYPE_CHECKING:
@@ -80,30 +81,12 @@ def _torchao_float8() -> ModuleType:
 
 def check_float8_supported(cfg: Float8Section, device: torch.device, fused_linear_ce: bool = False,
                            tp: int = 1) -> None:
-    """Refuse, before any work starts, a float8 setup that cannot run here; a no-op when FP8 is off.
-    ``fused_linear_ce``: the trainer's ``training.fused_linear_ce``, which applies the head's high-precision
-    weight itself and so would silently bypass a float8 head. ``tp``: the tensor-parallel degree.
-    ``float8.emulate`` skips the device checks (every recipe and the float8 experts have an emulated path in plain
-    torch) but still needs torchao."""
-    if cfg.high_precision_eval and not cfg.enabled:
-        raise ConfigError("float8.high_precision_eval = true needs float8.enabled = true")
+    """Refuse, before any work starts, a float8 setup that cannot run here (``check_float8_config``, then the
+    device and torchao); a no-op when FP8 is off. ``float8.emulate`` skips the device checks (every recipe and
+    the float8 experts have an emulated path in plain torch) but still needs torchao."""
+    check_float8_config(cfg, fused_linear_ce, tp)
     if not cfg.enabled:
         return
-    if cfg.recipe == "blockwise" and tp > 1:
-        raise ConfigError(f"float8.recipe = 'blockwise' does not run under parallelism.tp = {tp}: its kernels "
-                          f"take plain tensors, not TP's DTensors; use tensorwise or rowwise with TP")
-    if cfg.include_output and fused_linear_ce:
-        raise ConfigError("float8.include_output = true and training.fused_linear_ce = true are exclusive: the "
-                          "fused loss multiplies by the head's weight itself, not through its Float8Linear")
-    if cfg.recipe != "tensorwise":
-        for key in ("enable_fsdp_float8_all_gather", "precompute_float8_dynamic_scale_for_fsdp"):
-            if getattr(cfg, key):
-                raise ConfigError(f"float8.{key} = true needs float8.recipe = 'tensorwise' (got "
-                                  f"{cfg.recipe!r}): only tensorwise scales can be computed before the "
-                                  f"all-gather")
-    if cfg.precompute_float8_dynamic_scale_for_fsdp and not cfg.enable_fsdp_float8_all_gather:
-        raise ConfigError("float8.precompute_float8_dynamic_scale_for_fsdp = true has no effect without "
-                          "float8.enable_fsdp_float8_all_gather = true")
     if cfg.emulate:  # high-precision GEMMs of float8-rounded operands: plain torch on any device
         _torchao_float8()
         return

@@ -235,11 +235,10 @@ class Float8GroupedExperts(GroupedExperts):
 
 
 def check_float8_experts(cfg: Float8Section, args: ModelArgs) -> None:
-    """Refuse ``float8.experts`` without ``float8.enabled``, or with GEMM sizes the kernel cannot take."""
+    """Refuse ``float8.experts`` with GEMM sizes the kernel cannot take (without ``float8.enabled``:
+    ``float8.check_float8_config``)."""
     if not cfg.experts:
         return
-    if not cfg.enabled:
-        raise ConfigError("float8.experts = true needs float8.enabled = true")
     if args.n_experts and (args.dim % ALIGN or args.expert_hidden % ALIGN):
         raise ConfigError(f"float8.experts = true needs model.dim ({args.dim}) and the experts' hidden size "
                           f"({args.expert_hidden}: model.moe_hidden, else model.ffn_hidden) divisible by 16")

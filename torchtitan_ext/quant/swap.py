@@ -8,6 +8,7 @@ import torch.nn as nn
 from torchtitan_ext.config.job_config import JobConfig
 from torchtitan_ext.errors import ConfigError
 from torchtitan_ext.quant.float8 import convert_to_float8
+from torchtitan_ext.quant.float8_config import check_float8_config
 from torchtitan_ext.quant.float8_experts import check_float8_experts, convert_experts_to_float8
 from torchtitan_ext.quant.int8 import apply_int8_forward
 from torchtitan_ext.quant.qat import apply_qat
@@ -15,6 +16,7 @@ from torchtitan_ext.quant.qat import apply_qat
 
 def convert_model(model: nn.Module, cfg: JobConfig) -> list[str]:
     """Apply every configured converter; returns log lines. Unsupported combinations raise ConfigError."""
+    check_float8_config(cfg.float8, cfg.training.fused_linear_ce, cfg.parallelism.tp)
     check_float8_experts(cfg.float8, model.args)
     q, lines = cfg.quant, []
     if (q.qat != "none" or q.int8_forward) and cfg.float8.enabled:

@@ -78,15 +78,18 @@ def single_node(torchrun_argv: list[str]) -> bool:
 
 def preflight(trainer_argv: list[str], whole_job: bool) -> JobConfig:
     """What the trainer checks before it writes anything, done once here: the config and its overrides, the
-    tracking mode, the dump folder and the cache (writable) and, when this machine runs the ``whole_job``, the
-    folder's claim: not locked by a live run, no other run's files in the way of a start from step 0 (the
-    lock is taken and let go at once; the workers take it again). On several machines the one whose worker
-    becomes rank 0 claims the folder, and another node, starting later, would find that run's lock and files."""
+    float8 keys against each other, the tracking mode, the dump folder and the cache (writable) and, when this
+    machine runs the ``whole_job``, the folder's claim: not locked by a live run, no other run's files in the
+    way of a start from step 0 (the lock is taken and let go at once; the workers take it again). On several
+    machines the one whose worker becomes rank 0 claims the folder, and another node, starting later, would
+    find that run's lock and files."""
     from torchtitan_ext.checkpoint.run_folder import RunLock, check_fresh_start, probe_writable
     from torchtitan_ext.config.loader import parse_args
     from torchtitan_ext.metrics.wandb_sink import check_tracking
+    from torchtitan_ext.quant.float8_config import check_float8_config
 
     cfg = parse_args(trainer_argv)
+    check_float8_config(cfg.float8, cfg.training.fused_linear_ce, cfg.parallelism.tp)
     check_tracking(cfg)
     probe_writable(cfg.job.dump_folder, "job.dump_folder")
     probe_writable(cfg.data.cache_dir, "data.cache_dir")

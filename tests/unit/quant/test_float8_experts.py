@@ -26,6 +26,7 @@ from torchtitan_ext.models.decoder import Decoder, fill_param_
 from torchtitan_ext.models.mode import GroupedExperts, MoDE
 from torchtitan_ext.quant import float8_experts as f8e
 from torchtitan_ext.quant.float8 import MIN_CAPABILITY
+from torchtitan_ext.quant.float8_config import check_float8_config
 
 REPO = Path(__file__).resolve().parents[3]
 E4M3 = torch.float8_e4m3fn
@@ -218,7 +219,7 @@ def test_config_errors_and_log():
 
     args = TINY_MODE
     with pytest.raises(ConfigError, match=r"^float8.experts = true needs float8.enabled = true$"):
-        f8e.check_float8_experts(Float8Section(experts=True), args)
+        check_float8_config(Float8Section(experts=True))
     with pytest.raises(ConfigError, match=r"float8.experts = true needs model.dim \(64\) and the experts' hidden "
                                           r"size \(40: model.moe_hidden"):
         f8e.check_float8_experts(Float8Section(enabled=True, experts=True), dataclasses.replace(args, moe_hidden=40))
