@@ -151,13 +151,21 @@ def _agent_class(workers: _Workers, log: logging.Logger) -> type:
                 if workers.stop is not None or codes & FINAL_EXIT_CODES:
                     self._remaining_restarts = 0
                 elif self._remaining_restarts > 0:
-                    rank, failure = min(result.failures.items(), key=lambda kv: kv[1].timestamp)
+                    rank, failure = min(result.failures.items(), key=_root_cause_first)
                     most = worker_group.spec.max_restarts
                     log.info(f"worker rank {rank} failed ({_exit_text(failure.exitcode)}): restarting every worker "
                              f"from the latest checkpoint (restart {most - self._remaining_restarts + 1} of {most})")
             return result
 
     return Agent
+
+
+def _root_cause_first(item: tuple[int, object]) -> tuple[bool, int, int]:
+    """Sort key of (rank, failure): a worker killed by a signal before one that exited, then the earliest. A
+    killed worker leaves no error file, so its timestamp is when the agent noticed, after its peers have
+    exited on the broken connection (their error files' times, in whole seconds)."""
+    rank, failure = item
+    return failure.exitcode >= 0, failure.timestamp, rank
 
 
 def _exit_text(code: int) -> str:
@@ -197,7 +205,7 @@ def run_workers(torchrun_argv: list[str], trainer_argv: list[str], dump_folder: 
     try:
         torchrun.run(args)
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
+        rank, failure = min(e.failures.items(), key=_root_cause_first)
         code = 128 - failure.exitcode if failure.exitcode < 0 else failure.exitcode
         if code not in FINAL_EXIT_CODES:  # a crash: the worker printed its traceback; say where and which
             print(f"error: worker rank {rank} on {failure.hostname} failed ({_exit_text(failure.exitcode)}); its "
