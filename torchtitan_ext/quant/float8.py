@@ -2,7 +2,7 @@
 activation checkpointing, compile and FSDP (so those wrap ``Float8Linear`` modules, as torchao expects).
 
 Recipes (``[float8] recipe``): ``tensorwise`` (one dynamic scale per tensor, cuBLAS FP8 GEMMs; the fastest,
-and the only one whose weights FSDP2 can all-gather in float8 and whose TP all-gathers can run in float8),
+and the only one whose weights FSDP2 can all-gather in float8),
 ``rowwise`` (one scale per row, power-of-two scales, CUTLASS rowwise GEMMs; more accurate, slower) and
 ``rowwise_with_gw_hp`` (rowwise, with the weight gradient computed in bf16) and ``blockwise`` (DeepSeek-V3's
 block scales: 1 x 128 activation and gradient blocks, 128 x 128 weight blocks, e4m3 throughout; swapped in
@@ -227,25 +227,3 @@ def precompute_float8_scales(model_parts: list[nn.Module]) -> None:
     f8 = _torchao_float8()
     for part in model_parts:
         f8.precompute_float8_dynamic_scale_for_fsdp(part)
-
-
-def float8_tp_styles(enabled: bool) -> tuple[type, type, type]:
-    """(colwise, rowwise, prepare_input) ParallelStyle classes for the TP plan.
-
-    Enabled (tensorwise recipe only), they are torchao's float8 styles: activations are cast to float8
-    before the sequence-parallel all-gather, halving its bytes. They accept only ``Float8Linear`` modules
-    (and a PrepareFloat8ModuleInput module needs one inside), so use them only where ``convert_to_float8``
-    converted; otherwise the plain torch styles.
-    """
-    if not enabled:
-        from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
-
-        return ColwiseParallel, RowwiseParallel, PrepareModuleInput
-    _torchao_float8()
-    from torchao.float8.float8_tensor_parallel import (
-        Float8ColwiseParallel,
-        Float8RowwiseParallel,
-        PrepareFloat8ModuleInput,
-    )
-
-    return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput

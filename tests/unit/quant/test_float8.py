@@ -232,20 +232,6 @@ def test_float8_all_gather_weights_initialise_like_bf16_ones():
         assert torch.equal(a, b), name
 
 
-@needs_torchao
-def test_tp_styles():
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
-    from torchao.float8.float8_tensor_parallel import (
-        Float8ColwiseParallel,
-        Float8RowwiseParallel,
-        PrepareFloat8ModuleInput,
-    )
-
-    assert f8.float8_tp_styles(False) == (ColwiseParallel, RowwiseParallel, PrepareModuleInput)
-    float8 = (Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput)
-    assert f8.float8_tp_styles(True) == float8
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Emulated FP8 numerics against a reference written from the recipe's definition.
 
@@ -315,44 +301,23 @@ def test_emulated_float8_decoder_trains_like_float32():
 TINY_F8 = Float8Section(enabled=True, min_dim=16)
 
 
-def _mlp_float8() -> nn.Sequential:
-    torch.manual_seed(0)
-    mlp = nn.Sequential(nn.Linear(64, 128, bias=False), nn.ReLU(), nn.Linear(128, 64, bias=False))
-    f8.convert_to_float8(mlp, TINY_F8, emulate=True, log=lambda s: None)
-    return mlp
-
-
-def _tp_worker(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _tp_worker(rank: int, world: int) -> torch.Tensor:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import parallelize_module
 
     from torchtitan_ext.parallel.tp import apply_tp
 
     mesh = init_device_mesh("cpu", (world,))
-    logits = tiny_float8(TINY_F8, lambda m: apply_tp(m, mesh, loss_parallel=False))[0](tiny_tokens()[:, :-1])
-    colwise, rowwise, _ = f8.float8_tp_styles(True)
-    mlp = _mlp_float8()
-    parallelize_module(mlp, mesh, {"0": colwise(), "2": rowwise()})
-    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(1), requires_grad=True)
-    y = mlp(x)
-    y.square().mean().backward()
-    return logits.detach(), y.detach(), x.grad
+    return tiny_float8(TINY_F8, lambda m: apply_tp(m, mesh, loss_parallel=False))[0](tiny_tokens()[:, :-1]).detach()
 
 
 @needs_torchao
 def test_float8_under_tensor_parallel_matches_one_process():
-    """The project's TP plan over Float8Linear blocks, and torchao's float8 TP styles (float8 all-gathers),
-    give one process's emulated float8 results: tensorwise scales are global amaxes of the DTensors."""
+    """The project's TP plan over Float8Linear blocks gives one process's emulated float8 results: tensorwise
+    scales are global amaxes of the DTensors."""
     results = run_distributed(_tp_worker, 2)
     logits = tiny_float8(TINY_F8)[0](tiny_tokens()[:, :-1]).detach()
-    mlp = _mlp_float8()
-    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(1), requires_grad=True)
-    y = mlp(x)
-    y.square().mean().backward()
-    for got_logits, got_y, got_grad in results:
-        torch.testing.assert_close(got_logits, logits, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(got_y, y.detach(), rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(got_grad, x.grad, rtol=1e-5, atol=1e-7)
+    for got in results:
+        torch.testing.assert_close(got, logits, rtol=1e-5, atol=1e-5)
 
 
 def _fsdp_worker(rank: int, world: int) -> torch.Tensor:
