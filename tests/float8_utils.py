@@ -22,6 +22,15 @@ except Exception as e:  # ImportError, or a torchao built for another torch fail
 needs_torchao = pytest.mark.skipif(TORCHAO_ERROR is not None, reason=str(TORCHAO_ERROR))
 
 
+def float8_gpu_skip_reason() -> str | None:
+    """Why real float8 GEMMs cannot run here (no CUDA, a GPU below compute capability 8.9, no torchao), or None."""
+    if not torch.cuda.is_available():
+        return "needs CUDA"
+    if torch.cuda.get_device_capability() < f8.MIN_CAPABILITY:
+        return f"needs compute capability >= 8.9, {torch.cuda.get_device_name()} is below"
+    return TORCHAO_ERROR
+
+
 def init_decoder(model: Decoder, seed: int, device: str = "cpu") -> Decoder:
     """``model`` with the trainer's initialisation (its init plan, seeded) and its buffers on ``device``."""
     plan = model.init_plan()

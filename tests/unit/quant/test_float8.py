@@ -21,6 +21,7 @@ from dist_utils import run_distributed
 from float8_utils import (
     TINY,
     TORCHAO_ERROR,
+    float8_gpu_skip_reason,
     init_decoder,
     needs_torchao,
     tiny_float8,
@@ -348,16 +349,8 @@ def test_float8_under_fsdp_matches_one_process():
 # ----------------------------------------------------------------------------------------------------------
 # GPU: real FP8 GEMMs, compiled.
 
-def _gpu_skip_reason() -> str | None:
-    if not torch.cuda.is_available():
-        return "needs CUDA"
-    if torch.cuda.get_device_capability() < f8.MIN_CAPABILITY:
-        return f"needs compute capability >= 8.9, {torch.cuda.get_device_name()} is below"
-    return TORCHAO_ERROR
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(_gpu_skip_reason() is not None, reason=str(_gpu_skip_reason()))
+@pytest.mark.skipif(float8_gpu_skip_reason() is not None, reason=str(float8_gpu_skip_reason()))
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_gpu_compiled_float8_tracks_bf16(recipe):
     """Real FP8 GEMMs under torch.compile and bf16 autocast memorising one batch: the loss falls as in bf16

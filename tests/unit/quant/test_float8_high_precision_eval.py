@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 import torch.nn as nn
-from float8_utils import TINY, TORCHAO_ERROR, init_decoder, needs_torchao, tiny_float8, tiny_tokens
+from float8_utils import TINY, float8_gpu_skip_reason, init_decoder, needs_torchao, tiny_float8, tiny_tokens
 from trainer_utils import REPO, run_trainer
 
 from torchtitan_ext.config.job_config import Float8Section
@@ -130,16 +130,8 @@ def test_trainer_validation_in_high_precision_equals_eval_tool(tmp_path):
     assert res["val_loss"] == pytest.approx(final["val_loss"], rel=1e-5, abs=1e-4)
 
 
-def _gpu_skip_reason() -> str | None:
-    if not torch.cuda.is_available():
-        return "needs CUDA"
-    if torch.cuda.get_device_capability() < f8.MIN_CAPABILITY:
-        return f"needs compute capability >= 8.9, {torch.cuda.get_device_name()} is below"
-    return TORCHAO_ERROR
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(_gpu_skip_reason() is not None, reason=str(_gpu_skip_reason()))
+@pytest.mark.skipif(float8_gpu_skip_reason() is not None, reason=str(float8_gpu_skip_reason()))
 def test_gpu_compiled_validation_alternates_between_float8_and_bf16():
     """Real float8 GEMMs, compiled as the trainer compiles (head included), bf16 autocast: inside the context
     the logits are the plain bf16 model's, outside float8's, call after call."""
