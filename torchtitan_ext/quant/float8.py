@@ -189,17 +189,6 @@ def _plain_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, module.weight, module.bias)
 
 
-def _high_precision_forward(module: nn.Module) -> Callable | None:
-    """The plain forward that runs ``module``'s float8 GEMMs on its own weights, or None."""
-    from torchao.float8.float8_linear import Float8Linear
-
-    if isinstance(module, (Float8Linear, BlockwiseFloat8Linear)):
-        return _plain_linear
-    if isinstance(module, Float8GroupedExperts):
-        return GroupedExperts.forward
-    return None
-
-
 @contextlib.contextmanager
 def high_precision_forward(model_parts: list[nn.Module]) -> Iterator[None]:
     """Inside, every float8 linear and float8 expert group runs the plain forward (``F.linear``,
@@ -207,13 +196,18 @@ def high_precision_forward(model_parts: list[nn.Module]) -> Iterator[None]:
     checkpoints see it, without the float8 rounding of training (``float8.high_precision_eval``). The
     modules' hooks (FSDP's unshard) still run; compiled, the validation graph is traced with the plain
     forward (it is a graph of its own: no_grad, eval mode)."""
+    from torchao.float8.float8_linear import Float8Linear
+
     swapped = []
     for part in model_parts:
         for module in part.modules():
-            forward = _high_precision_forward(module)
-            if forward is not None:
-                module.forward = types.MethodType(forward, module)
-                swapped.append(module)
+            if isinstance(module, (Float8Linear, BlockwiseFloat8Linear)):
+                module.forward = types.MethodType(_plain_linear, module)
+            elif isinstance(module, Float8GroupedExperts):
+                module.forward = types.MethodType(GroupedExperts.forward, module)
+            else:
+                continue
+            swapped.append(module)
     try:
         yield
     finally:
